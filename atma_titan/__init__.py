@@ -1,0 +1,1 @@
+"""atma_titan: distributed pretraining for the ATMA hybrid language model."""

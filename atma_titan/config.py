@@ -1,0 +1,408 @@
+"""Typed job configuration: one dataclass per TOML section.
+
+Resolution order: dataclass defaults < the TOML file < `--section.key value` flags. Every field
+carries a one-line doc in `field(metadata={"doc": ...})`; `--help` prints them all. A bad file,
+section, key, type or value raises `ConfigError` with a message naming where it came from, what
+was given and what is allowed; `train.py` turns that into a non-zero exit without a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the user who wrote the config."""
+
+
+def opt(default: Any, doc: str, choices: tuple | None = None):
+    """A config field: its default, a one-line doc, and (for strings) the allowed values."""
+    meta = {"doc": doc, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    dump_folder: str = opt("./outputs/debug", "Run folder: resolved config, metrics, checkpoints.")
+    description: str = opt("", "Free-text description of the run.")
+    seed: int = opt(0, "Seed for model initialisation and data order.")
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower; for debugging and tests).")
+    dry_run: bool = opt(False, "Build the model on the meta device, print its size and exit.")
+    print_config: bool = opt(True, "Print the resolved config at start.")
+
+
+@dataclass
+class Model:
+    flavor: str = opt("debug", "Named model size from atma_titan.models.flavors.")
+    vocab_size: Optional[int] = opt(None, "Vocabulary size (None: the flavor's).")
+    d_model: Optional[int] = opt(None, "Residual width (None: the flavor's).")
+    n_layers: Optional[int] = opt(None, "Number of blocks (None: the flavor's).")
+    n_heads: Optional[int] = opt(None, "Query heads in global blocks (None: the flavor's).")
+    n_kv_heads: Optional[int] = opt(None, "Key/value heads, GQA (None: the flavor's).")
+    head_dim: Optional[int] = opt(None, "Per-head dimension (None: the flavor's).")
+    mlp_hidden: Optional[int] = opt(None, "MLP hidden width (None: the flavor's).")
+    mlp: Optional[str] = opt(None, "MLP type (None: the flavor's).", ("relu2", "swiglu"))
+    global_layers: Optional[str] = opt(
+        None,
+        "Which blocks are global (Polar/softmax + memory): a rule 'i%4==2' or a list '2,6,10,14' "
+        "(None: the flavor's).",
+    )
+    attention: Optional[str] = opt(None, "Global attention kind (None: the flavor's).", ("polar", "softmax"))
+    position: Optional[str] = opt(None, "Position scheme in attention (None: the flavor's).", ("nope", "rope"))
+    canon: Optional[bool] = opt(None, "Canon residual convolutions on q, k, v (None: the flavor's).")
+    memory: Optional[bool] = opt(None, "Gated-delta memory branch in global blocks (None: the flavor's).")
+    window: Optional[int] = opt(None, "Attention window in tokens, 0 = full context (None: the flavor's).")
+    distractor_weight: Optional[float] = opt(None, "Weight of the distractor loss, 0 = off (None: the flavor's).")
+    distractor_keys: Optional[int] = opt(None, "Random keys per query for the distractor loss (None: the flavor's).")
+    gamma_max: Optional[float] = opt(None, "Cap on memory retention gamma, multiplies the sigmoid (None: the flavor's).")
+    logit_softcap: Optional[float] = opt(None, "LM-head logit soft-cap c, 0 = off (None: the flavor's).")
+    memory_chunk: Optional[int] = opt(None, "Chunk length of the chunked memory form (None: the flavor's).")
+    attention_block: int = opt(128, "Query/key tile size of the streaming Polar reference.")
+
+
+@dataclass
+class Training:
+    steps: int = opt(100, "Optimizer steps to train.")
+    seq_len: int = opt(2048, "Tokens per training sequence.")
+    batch_tokens: int = opt(524_288, "Global batch in tokens per optimizer step (all ranks, all micro-batches).")
+    micro_batch_size: int = opt(8, "Sequences per forward/backward on one rank; the rest is gradient accumulation.")
+    max_norm: float = opt(1.0, "Gradient-norm clip, 0 = off.")
+    mixed_precision: str = opt("bf16", "Autocast dtype on GPU (CPU always trains in fp32).", ("bf16", "fp32"))
+    device: str = opt("auto", "Device: auto (CUDA if present), cpu or cuda.", ("auto", "cpu", "cuda"))
+    compile: bool = opt(False, "torch.compile each block (fullgraph).")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("muon_adamw", "Muon for block matrices + AdamW for the rest, or AdamW for all.", ("muon_adamw", "adamw"))
+    muon_lr: float = opt(0.02, "Muon learning rate (every >=2-D weight inside the blocks).")
+    muon_weight_decay: float = opt(0.01, "Muon decoupled weight decay.")
+    muon_momentum: float = opt(0.95, "Muon momentum (Nesterov).")
+    muon_ns_steps: int = opt(5, "Newton-Schulz iterations per Muon step.")
+    adam_betas: list = opt([0.8, 0.95], "AdamW betas.")
+    adam_eps: float = opt(1e-10, "AdamW epsilon.")
+    adam_weight_decay: float = opt(0.0, "AdamW weight decay.")
+    embed_lr: float = opt(0.3, "AdamW learning rate of the token embedding.")
+    head_lr: float = opt(1 / 320, "AdamW learning rate of the LM head.")
+    scalar_lr: float = opt(0.01, "AdamW learning rate of 1-D parameters (norms, biases, per-head scalars).")
+    matrix_lr: float = opt(0.003, "AdamW learning rate of block matrices when name = adamw.")
+
+
+@dataclass
+class LRScheduler:
+    name: str = opt("constant_then_linear", "Schedule shape.", ("constant_then_linear", "warmup_cosine"))
+    decay_start: float = opt(0.3, "constant_then_linear: fraction of steps held constant before the linear decay.")
+    warmup_steps: int = opt(0, "Linear warm-up steps (both schedules).")
+    min_lr_ratio: float = opt(0.0, "Final learning rate as a fraction of the peak.")
+
+
+@dataclass
+class Data:
+    source: str = opt("synthetic", "Token source.", ("synthetic",))
+    tokenizer: str = opt("byte", "Tokenizer for text sources and evaluation prompts.")
+    seed: int = opt(1234, "Seed of the synthetic source.")
+    num_workers: int = opt(0, "Data-loader worker processes per rank.")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "Save checkpoints.")
+    folder: str = opt("checkpoints", "Checkpoint folder, relative to job.dump_folder.")
+    interval: int = opt(500, "Save every N steps (and at the end).")
+
+
+@dataclass
+class Parallelism:
+    dp_shard: int = opt(-1, "FSDP shard degree, -1 = all ranks not used by other dimensions.")
+    dp_replicate: int = opt(1, "Replicate degree (HSDP when > 1).")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log every N steps (and the first and last step).")
+    stdout: bool = opt(True, "Print a line per logged step.")
+    jsonl: bool = opt(True, "Append one JSON object per logged step to metrics.jsonl.")
+    tensorboard: bool = opt(False, "Write TensorBoard scalars under <dump_folder>/tb.")
+    wandb: bool = opt(False, "Log to Weights & Biases.")
+    wandb_project: str = opt("atma_titan", "wandb project.")
+    wandb_entity: Optional[str] = opt(None, "wandb entity (team or user).")
+    wandb_run_name: Optional[str] = opt(None, "wandb run name (None: the dump folder's name).")
+    wandb_mode: str = opt("online", "wandb mode.", ("online", "offline", "disabled"))
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    data: Data = field(default_factory=Data)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        return to_toml(self.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overriding, validating
+
+
+_SECTION_TYPES = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
+
+
+def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def _hints(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _closest(name: str, candidates) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return f"{_type_name(inner[0])} or none"
+    if origin is list or tp is list:
+        return "list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
+    """Convert `value` to the field type `tp`; raise TypeError with a short reason."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), from_cli)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise TypeError("expected true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise TypeError("expected an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError("expected a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if from_cli:
+            return str(value)
+        raise TypeError("expected a string")
+    if tp is list or origin is list:
+        if isinstance(value, list):
+            return value
+        if from_cli and isinstance(value, str):
+            return [float(v) if "." in v or "e" in v.lower() else int(v) for v in value.strip("[]").split(",") if v.strip()]
+        raise TypeError("expected a list")
+    raise TypeError(f"unsupported field type {tp}")
+
+
+def _set_field(cfg: JobConfig, section: str, key: str, value: Any, origin: str, from_cli: bool) -> None:
+    all_sections = _SECTION_TYPES
+    if section not in all_sections:
+        raise ConfigError(
+            f"{origin}: unknown section [{section}]; allowed: {', '.join(all_sections)}.{_closest(section, all_sections)}"
+        )
+    section_obj = getattr(cfg, section)
+    fields = _fields(type(section_obj))
+    if key not in fields:
+        raise ConfigError(
+            f"{origin}: unknown key '{section}.{key}'; allowed in [{section}]: {', '.join(fields)}."
+            f"{_closest(key, fields)}"
+        )
+    tp = _hints(type(section_obj))[key]
+    try:
+        coerced = _coerce(value, tp, from_cli)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{origin}: '{section}.{key}' = {value!r} is invalid: {e} ({_type_name(tp)}).") from None
+    choices = fields[key].metadata.get("choices")
+    if choices and coerced is not None and coerced not in choices:
+        raise ConfigError(
+            f"{origin}: '{section}.{key}' = {coerced!r} is not allowed; choose one of: {', '.join(map(str, choices))}."
+            f"{_closest(str(coerced), choices)}"
+        )
+    setattr(section_obj, key, coerced)
+
+
+def load_toml(cfg: JobConfig, path: str | Path) -> None:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table; allowed sections: "
+                              f"{', '.join(_SECTION_TYPES)}.{_closest(section, _SECTION_TYPES)}")
+        for key, value in table.items():
+            _set_field(cfg, section, key, value, str(path), from_cli=False)
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str, str]]:
+    """`--section.key value` / `--section.key=value` pairs -> (section, key, raw value)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"command line: expected --section.key value, got {arg!r} (see --help).")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: {arg} needs a value.")
+            value, i = argv[i + 1], i + 1
+        section, _, key = name.partition(".")
+        out.append((section.replace("-", "_"), key.replace("-", "_"), value))
+        i += 1
+    return out
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Build the resolved config from `--config FILE` and `--section.key value` flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("command line: --config needs a TOML file path.")
+        config_path = argv[i + 1]
+        del argv[i : i + 2]
+    else:
+        for i, a in enumerate(argv):
+            if a.startswith("--config="):
+                config_path = a.split("=", 1)[1]
+                del argv[i]
+                break
+    cfg = JobConfig()
+    if config_path:
+        load_toml(cfg, config_path)
+    for section, key, value in parse_overrides(argv):
+        _set_field(cfg, section, key, value, f"command line --{section}.{key}", from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field and range checks that the types alone cannot express."""
+    t = cfg.training
+
+    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
+        if not ok:
+            raise ConfigError(f"'{key}' = {value!r} is invalid; allowed: {allowed}.")
+
+    need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
+    need(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
+    need(t.micro_batch_size >= 1, "training.micro_batch_size", t.micro_batch_size, "an integer >= 1")
+    need(t.batch_tokens % t.seq_len == 0, "training.batch_tokens", t.batch_tokens,
+         f"a multiple of training.seq_len ({t.seq_len})")
+    need(t.max_norm >= 0, "training.max_norm", t.max_norm, ">= 0")
+    need(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, "an integer >= 1")
+    need(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "an integer >= 0")
+    need(0.0 <= cfg.lr_scheduler.decay_start <= 1.0, "lr_scheduler.decay_start", cfg.lr_scheduler.decay_start,
+         "a fraction in [0, 1]")
+    need(0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0, "lr_scheduler.min_lr_ratio", cfg.lr_scheduler.min_lr_ratio,
+         "a fraction in [0, 1]")
+    need(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, ">= 0")
+    need(len(cfg.optimizer.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.adam_betas),
+         "optimizer.adam_betas", cfg.optimizer.adam_betas, "two numbers in [0, 1)")
+    need(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, "an integer >= 1")
+    need(cfg.model.attention_block >= 1, "model.attention_block", cfg.model.attention_block, "an integer >= 1")
+    # Model flavor and overrides are checked where the model args are resolved (models/flavors.py),
+    # so the message can name the flavor.
+    from atma_titan.models.flavors import resolve_model_args
+
+    try:
+        resolve_model_args(cfg.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def to_toml(data: dict) -> str:
+    """Serialise a two-level dict of plain values as TOML (None values are written as comments)."""
+    lines = []
+    for section, table in data.items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"# {key} = none" if value is None else f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def help_text(prog: str = "python -m atma_titan.train") -> str:
+    lines = [
+        f"usage: {prog} [--config FILE.toml] [--section.key value ...]",
+        "",
+        "Values come from the defaults below, then the TOML file, then command-line flags.",
+    ]
+    for name, section_cls in _SECTION_TYPES.items():
+        lines += ["", f"[{name}]"]
+        hints = _hints(section_cls)
+        for f in dataclasses.fields(section_cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            choices = f.metadata.get("choices")
+            allowed = f" {{{'|'.join(choices)}}}" if choices else ""
+            lines.append(f"  --{name}.{f.name} ({_type_name(hints[f.name])}{allowed}, default {default!r})")
+            lines.append(f"      {f.metadata.get('doc', '')}")
+    return "\n".join(lines)
+
+
+__all__ = ["ConfigError", "JobConfig", "load_config", "load_toml", "help_text", "to_toml", "validate"]

@@ -1,0 +1,67 @@
+"""Feeding training: one global stream of token windows, split by data-parallel rank.
+
+The stream is a sequence of windows 0, 1, 2, ... of `seq_len + 1` tokens from a random-access
+source. Optimizer step s consumes windows [s*G, (s+1)*G) (G = global batch in sequences); rank r
+of W reads the r-th contiguous slice of G/W of them. The position in the stream is therefore one
+number, "windows consumed", the same at any world size: a run resumes exactly where it stopped
+even on a different number of ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+
+class WindowSource(Protocol):
+    def window(self, index: int, length: int) -> np.ndarray: ...
+
+
+class RankBatches(IterableDataset):
+    """This rank's share of the global window stream, as micro-batches of (inputs, labels), each (b, seq_len).
+
+    With several loader workers, worker w builds this rank's micro-batches w, w + n, w + 2n, ...; the
+    loader takes workers in turn, so the batches are the same for any number of workers.
+    """
+
+    def __init__(self, source: WindowSource, seq_len: int, global_batch: int, micro_batch: int, rank: int = 0,
+                 world_size: int = 1, start_window: int = 0):
+        if global_batch % (world_size * micro_batch):
+            raise ValueError(f"a global batch of {global_batch} sequences does not split into micro-batches of "
+                             f"{micro_batch} on {world_size} ranks")
+        if start_window % global_batch:
+            raise ValueError(f"start window {start_window} is not at a step boundary (global batch {global_batch})")
+        self.source, self.seq_len, self.micro_batch = source, seq_len, micro_batch
+        self.global_batch, self.per_rank = global_batch, global_batch // world_size
+        self.rank = rank
+        self.start_batch = start_window // global_batch * (self.per_rank // micro_batch)
+
+    def global_index(self, sample: int) -> int:
+        """Global window index of this rank's `sample`-th sample."""
+        step, within = divmod(sample, self.per_rank)
+        return step * self.global_batch + self.rank * self.per_rank + within
+
+    def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = b * self.micro_batch
+        windows = [self.source.window(self.global_index(s), self.seq_len + 1) for s in range(first, first + self.micro_batch)]
+        tokens = torch.from_numpy(np.stack(windows).astype(np.int64))
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        b = self.start_batch + worker
+        while True:
+            yield self.batch(b)
+            b += n_workers
+
+
+def build_dataloader(source: WindowSource, seq_len: int, global_batch: int, micro_batch: int, *, rank: int = 0,
+                     world_size: int = 1, start_window: int = 0, num_workers: int = 0, pin_memory: bool = False):
+    dataset = RankBatches(source, seq_len, global_batch, micro_batch, rank, world_size, start_window)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+    )

@@ -1,0 +1,218 @@
+"""Plain-PyTorch references for the gated delta rule (ATMA section 4).
+
+Per head, with a matrix state M (Dv x Dk):
+
+    M_t = gamma_t * M_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,      r_t = M_t q_t
+
+With ||k_t|| = 1 and beta_t in (0, 1), I - beta_t k_t k_t^T has eigenvalues in [1 - beta_t, 1],
+so every step is non-expansive: ||M_t||_2 <= gamma_t ||M_{t-1}||_2 + beta_t ||v_t||.
+
+Chunked derivation. Rewrite one step as M_t = gamma_t M_{t-1} + u_t k_t^T with the "delta"
+u_t = beta_t (v_t - gamma_t M_{t-1} k_t). Inside a chunk that starts from state S, let
+g_t = sum_{s<=t} log gamma_s (cumulative log decay from the chunk start) and G_t = exp(g_t). Then
+
+    M_t = G_t S + sum_{s<=t} exp(g_t - g_s) u_s k_s^T,
+
+and substituting M_{t-1} into u_t gives a unit lower-triangular system (the UT transform)
+
+    (I + A) U = diag(beta) V - diag(beta G) K S^T,   A_ts = beta_t exp(g_t - g_s) k_t.k_s  (s < t)
+
+so U = U~ - W S^T with U~ = (I + A)^{-1} diag(beta) V and W = (I + A)^{-1} diag(beta G) K, both
+independent of S and computed for all chunks at once. Per chunk, sequentially:
+
+    R     = diag(G) Q S^T + (Q K^T * D) U           D_ts = exp(g_t - g_s) for s <= t, else 0
+    S_new = G_C S + U^T diag(exp(g_C - g)) K        (one state hand-off per chunk)
+
+Layout: q, k (B, T, H, Dk); v (B, T, H, Dv); log_gamma, beta (B, T, H); state (B, H, Dv, Dk).
+All arithmetic is float32 (float64 if any of q, k, v is float64); r comes back in v's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["gated_delta_recurrent", "gated_delta_chunked", "gated_delta_step"]
+
+L2_NORM_EPS = 1e-6
+
+
+def gated_delta_step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule, inputs used exactly as given (no normalisation, no casts).
+
+    state (B, H, Dv, Dk); q, k (B, H, Dk); v (B, H, Dv); log_gamma, beta (B, H).
+    Returns (r (B, H, Dv), new_state (B, H, Dv, Dk)). Not in-place: the old state is kept intact.
+    """
+    gamma = log_gamma.exp()[..., None, None]
+    strength = beta[..., None, None]
+    state_k = state @ k.unsqueeze(-1)  # M k, (B, H, Dv, 1)
+    erased = state - strength * (state_k @ k.unsqueeze(-2))  # M (I - beta k k^T)
+    new_state = gamma * erased + strength * (v.unsqueeze(-1) @ k.unsqueeze(-2))
+    r = (new_state @ q.unsqueeze(-1)).squeeze(-1)
+    return r, new_state
+
+
+def gated_delta_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    normalize_qk: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ground truth: the exact per-token recurrence, a Python loop over t.
+
+    Returns (r (B, T, H, Dv) in v's dtype, final_state (B, H, Dv, Dk) in the compute dtype).
+    """
+    _check_shapes(q, k, v, log_gamma, beta, initial_state)
+    dtype, out_dtype = _compute_dtype(q, k, v), v.dtype
+    q, k, v, log_gamma, beta = _to_head_major(q, k, v, log_gamma, beta, dtype, normalize_qk)
+    state = _initial_state(initial_state, q, v, dtype)
+
+    outputs = []
+    for t in range(q.shape[2]):
+        r_t, state = gated_delta_step(
+            state, q[:, :, t], k[:, :, t], v[:, :, t], log_gamma[:, :, t], beta[:, :, t]
+        )
+        outputs.append(r_t)
+    r = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
+    return _to_time_major(r).to(out_dtype), state
+
+
+def gated_delta_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    normalize_qk: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY / UT) form of the same recurrence; differentiable by plain autograd.
+
+    Same arguments and results as gated_delta_recurrent. A tail shorter than chunk_size is padded
+    with beta = 0, log_gamma = 0 (an identity step), so it changes neither r nor the state.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_shapes(q, k, v, log_gamma, beta, initial_state)
+    dtype, out_dtype = _compute_dtype(q, k, v), v.dtype
+    q, k, v, log_gamma, beta = _to_head_major(q, k, v, log_gamma, beta, dtype, normalize_qk)
+    state = _initial_state(initial_state, q, v, dtype)
+    seq_len = q.shape[2]
+    if seq_len == 0:
+        return _to_time_major(v).to(out_dtype), state
+
+    chunk = min(chunk_size, seq_len)  # no point padding past the sequence
+    q, k, v, log_gamma, beta = (_split_chunks(x, chunk) for x in (q, k, v, log_gamma, beta))
+    log_decay = log_gamma.cumsum(dim=-1)  # g_t, (B, H, N, C)
+    causal_decay = _causal_decay_matrix(log_decay)  # D, (B, H, N, C, C)
+    w, u_tilde = _ut_transform(k, v, beta, log_decay, causal_decay)
+
+    intra_scores = (q @ k.transpose(-1, -2)) * causal_decay
+    q_from_start = q * log_decay.exp().unsqueeze(-1)  # G_t q_t: reads the chunk's start state
+    k_to_end = k * (log_decay[..., -1:] - log_decay).exp().unsqueeze(-1)  # decays writes to chunk end
+    chunk_decay = log_decay[..., -1].exp()[..., None, None]  # G_C, (B, H, N, 1, 1)
+
+    outputs = []
+    for n in range(q.shape[2]):
+        delta = u_tilde[:, :, n] - w[:, :, n] @ state.transpose(-1, -2)  # U, (B, H, C, Dv)
+        outputs.append(q_from_start[:, :, n] @ state.transpose(-1, -2) + intra_scores[:, :, n] @ delta)
+        state = chunk_decay[:, :, n] * state + delta.transpose(-1, -2) @ k_to_end[:, :, n]
+    r = torch.stack(outputs, dim=2).flatten(2, 3)[:, :, :seq_len]
+    return _to_time_major(r).to(out_dtype), state
+
+
+def _ut_transform(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    log_decay: torch.Tensor,
+    causal_decay: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = (I + A)^{-1} diag(beta G) K and U~ = (I + A)^{-1} diag(beta) V for every chunk at once."""
+    key_overlap = (k @ k.transpose(-1, -2)) * causal_decay
+    strictly_lower = (beta.unsqueeze(-1) * key_overlap).tril(diagonal=-1)
+    eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device)
+    system = eye + strictly_lower
+    rhs = torch.cat([(beta * log_decay.exp()).unsqueeze(-1) * k, beta.unsqueeze(-1) * v], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    return solved.split([k.shape[-1], v.shape[-1]], dim=-1)
+
+
+def _causal_decay_matrix(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(g_t - g_s) for s <= t, 0 above the diagonal.
+
+    The mask is applied in log space before exp: above the diagonal g_t - g_s > 0 can overflow,
+    and a masked inf would turn into NaN gradients.
+    """
+    diff = log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)
+    size = log_decay.shape[-1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=log_decay.device).tril()
+    return diff.masked_fill(~causal, float("-inf")).exp()
+
+
+def _split_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, H, T, ...) -> (B, H, N, chunk, ...), zero-padding the time axis to a multiple of chunk.
+
+    Zero padding is an identity step: beta = 0 writes nothing, log_gamma = 0 keeps the state.
+    """
+    seq_len = x.shape[2]
+    pad = -seq_len % chunk
+    if pad:
+        trailing = x.dim() - 3  # dims after T
+        x = F.pad(x, (0, 0) * trailing + (0, pad))
+    return x.unflatten(2, (x.shape[2] // chunk, chunk))
+
+
+def _to_head_major(q, k, v, log_gamma, beta, dtype, normalize_qk):
+    """Cast to the compute dtype, optionally L2-normalise q and k, move T next to the feature axis."""
+    q, k, v, log_gamma, beta = (x.to(dtype) for x in (q, k, v, log_gamma, beta))
+    if normalize_qk:
+        q = F.normalize(q, dim=-1, eps=L2_NORM_EPS)
+        k = F.normalize(k, dim=-1, eps=L2_NORM_EPS)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, H, T, D)
+    log_gamma, beta = (x.transpose(1, 2) for x in (log_gamma, beta))  # (B, H, T)
+    return q, k, v, log_gamma, beta
+
+
+def _to_time_major(r: torch.Tensor) -> torch.Tensor:
+    return r.transpose(1, 2)  # (B, H, T, Dv) -> (B, T, H, Dv)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in tensors) else torch.float32
+
+
+def _initial_state(initial_state, q, v, dtype) -> torch.Tensor:
+    batch, heads, _, key_dim = q.shape
+    if initial_state is None:
+        return torch.zeros(batch, heads, v.shape[-1], key_dim, dtype=dtype, device=q.device)
+    return initial_state.to(dtype)
+
+
+def _check_shapes(q, k, v, log_gamma, beta, initial_state) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be (B, T, H, D)")
+    batch, _, heads, key_dim = k.shape
+    if q.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must have the same shape")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {tuple(v.shape)} must share (B, T, H) with k {tuple(k.shape)}")
+    for name, gate in (("log_gamma", log_gamma), ("beta", beta)):
+        if gate.shape != k.shape[:3]:
+            raise ValueError(f"{name} {tuple(gate.shape)} must be (B, T, H) = {tuple(k.shape[:3])}")
+    expected_state = (batch, heads, v.shape[-1], key_dim)
+    if initial_state is not None and tuple(initial_state.shape) != expected_state:
+        raise ValueError(f"initial_state {tuple(initial_state.shape)} must be (B, H, Dv, Dk) = {expected_state}")

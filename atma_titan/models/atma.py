@@ -1,0 +1,109 @@
+"""The ATMA decoder (ATMA.md section 1): pre-norm blocks, final RMSNorm, untied soft-capped LM head.
+
+    h = h + mixer(norm1(h));  h = h + mlp(norm2(h))
+
+Blocks listed in `args.global_layers` mix with Polar (or softmax) attention plus the gated-delta
+memory; the others with the LFM2 gated short convolution. The model knows nothing about
+parallelism: it is built on the meta device, sharded by `atma_titan.parallel`, materialised, and
+then `init_weights()` gives every parameter its initial value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atma_titan.models.attention import GlobalAttention
+from atma_titan.models.conv import GatedShortConv
+from atma_titan.models.flavors import ModelArgs
+from atma_titan.models.layers import MLP, RMSNorm
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.is_global = args.is_global(layer_id)
+        self.norm1 = RMSNorm(args.d_model, args.norm_eps)
+        self.mixer = GlobalAttention(args) if self.is_global else GatedShortConv(args)
+        self.norm2 = RMSNorm(args.d_model, args.norm_eps)
+        self.mlp = MLP(args.d_model, args.mlp_hidden, args.mlp)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mixed, aux = self.mixer(self.norm1(h))
+        h = h + mixed
+        return h + self.mlp(self.norm2(h)), aux
+
+
+class ATMA(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.d_model)
+        # A ModuleDict keyed by the block index keeps checkpoint keys stable under AC/compile wrappers.
+        self.blocks = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.d_model, args.norm_eps)
+        self.head = nn.Linear(args.d_model, args.vocab_size)
+
+    def forward(self, tokens: torch.Tensor, return_aux: bool = False):
+        """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss."""
+        h = self.embed(tokens)
+        aux_total = None
+        for block in self.blocks.values():
+            h, aux = block(h)
+            if aux is not None:
+                aux_total = aux if aux_total is None else aux_total + aux
+        logits = softcap(self.head(self.norm(h)).float(), self.args.logit_softcap)
+        return (logits, aux_total) if return_aux else logits
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """PyTorch's default Linear/Embedding init, then zero every residual branch's output and the head.
+
+        Deliberately NOT zeroed: the LFM2 `in_proj` (the published scripts zeroed every "*proj*",
+        which froze all conv blocks at a constant output; ATMA.md section 5).
+        """
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        for block in self.blocks.values():
+            if isinstance(block.mixer, GlobalAttention) and block.mixer.args.attention == "polar":
+                block.mixer.reset_polar_scalars()
+            block.mixer.zero_output()
+            nn.init.zeros_(block.mlp.proj.weight)
+            nn.init.zeros_(block.mlp.proj.bias)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """z <- c z / sqrt(z^2 + c^2): smooth, odd, bounded by c, ~identity near zero."""
+    if not cap:
+        return logits
+    return cap * logits * torch.rsqrt(logits.square() + cap * cap)
+
+
+def parameter_breakdown(model: ATMA) -> dict[str, int]:
+    """Parameter counts by component, in the terms ATMA.md uses to check fidelity."""
+    counts = {"embedding": 0, "lm_head": 0, "norms": 0, "mlp": 0, "conv_blocks": 0, "attention_blocks": 0,
+              "memory": 0}
+    for name, p in model.named_parameters():
+        n = p.numel()
+        if name.startswith("embed."):
+            counts["embedding"] += n
+        elif name.startswith("head."):
+            counts["lm_head"] += n
+        elif ".norm" in name or name.startswith("norm."):
+            counts["norms"] += n
+        elif ".mlp." in name:
+            counts["mlp"] += n
+        elif ".mixer.memory." in name:
+            counts["memory"] += n
+        elif isinstance(model.blocks[name.split(".")[1]].mixer, GlobalAttention):
+            counts["attention_blocks"] += n
+        else:
+            counts["conv_blocks"] += n
+    return counts
+
+
+def non_embedding_params(model: ATMA) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embed."))

@@ -1,0 +1,129 @@
+"""The global mixer: Polar (or softmax) attention with Canon convolutions, plus the memory branch.
+
+Polar (ATMA.md section 3) replaces softmax's "weights sum to one" with a null entry whose logit
+grows like the max of n noise logits, a length temperature, and two outputs: a unit direction c
+(what was found) and a bounded count mag (how much was found):
+
+    out = W_o(concat_h(c) * sigmoid(gate)) + W_mu(mag) + memory
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atma_titan.kernels.polar import polar_attention
+from atma_titan.kernels.polar.reference import polar_scalars
+from atma_titan.models.flavors import ModelArgs
+from atma_titan.models.layers import CausalDepthwiseConv, rms_norm, rotary
+from atma_titan.models.memory import GatedDeltaMemory
+
+# Raw initial values of the per-head Polar scalars (softplus is applied where they are used).
+POLAR_INIT = {"len_gain": -1.0, "null_base": 2.0, "null_slope": 0.5, "mag_beta": -1.5}
+
+
+class GlobalAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        H, Hkv, D, d = args.n_heads, args.n_kv_heads, args.head_dim, args.d_model
+        self.q_proj = nn.Linear(d, 2 * H * D)  # per head: [query | output gate]
+        self.k_proj = nn.Linear(d, Hkv * D)
+        self.v_proj = nn.Linear(d, Hkv * D)
+        self.o_proj = nn.Linear(H * D, d)
+        if args.canon:
+            self.canon_q = CausalDepthwiseConv(H * D, args.canon_kernel)
+            self.canon_k = CausalDepthwiseConv(Hkv * D, args.canon_kernel)
+            self.canon_v = CausalDepthwiseConv(Hkv * D, args.canon_kernel)
+        if args.attention == "polar":
+            self.mu_proj = nn.Linear(H, d)  # W_mu: the count channel
+            for name in POLAR_INIT:
+                setattr(self, name, nn.Parameter(torch.empty(H)))
+            self.v_null = nn.Parameter(torch.empty(H, D))
+            self.reset_polar_scalars()
+        self.memory = GatedDeltaMemory(args) if args.memory else None
+
+    def reset_polar_scalars(self) -> None:
+        for name, value in POLAR_INIT.items():
+            nn.init.constant_(getattr(self, name), value)
+        nn.init.zeros_(self.v_null)
+
+    def zero_output(self) -> None:
+        for proj in (self.o_proj, getattr(self, "mu_proj", None)):
+            if proj is not None:
+                nn.init.zeros_(proj.weight)
+                nn.init.zeros_(proj.bias)
+        if self.memory is not None:
+            self.memory.zero_output()
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, T, d) -> q, gate (B, T, H, D) and k, v (B, T, Hkv, D), normalised and position-mixed."""
+        a = self.args
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
+        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim)
+        q, k = rms_norm(q, a.norm_eps), rms_norm(k, a.norm_eps)  # ||q||^2 = ||k||^2 = D
+        if a.position == "rope":
+            q, k = rotary(q, a.rope_theta), rotary(k, a.rope_theta)
+        if a.canon:
+            q = q + self.canon_q(q.flatten(2)).view_as(q)
+            k = k + self.canon_k(k.flatten(2)).view_as(k)
+            v = v + self.canon_v(v.flatten(2)).view_as(v)
+        return q, gate, k, v
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        a = self.args
+        B, T, _ = x.shape
+        q, gate, k, v = self.project_qkv(x)
+        aux = None
+        if a.attention == "polar":
+            c, mag = polar_attention(
+                q, k, v, self.len_gain, self.null_base, self.null_slope, self.mag_beta, self.v_null,
+                window=a.window, block_q=a.attention_block, block_k=a.attention_block,
+            )
+            out = self.o_proj((c * torch.sigmoid(gate)).reshape(B, T, -1)) + self.mu_proj(mag.to(x.dtype))
+            if a.distractor_weight > 0 and self.training:
+                aux = a.distractor_weight * self.distractor_loss(q)
+        else:
+            o = softmax_attention(q, k, v, a.window)
+            out = self.o_proj((o * torch.sigmoid(gate)).reshape(B, T, -1))
+        if self.memory is not None:
+            out = out + self.memory(x, q, k, v)
+        return out, aux
+
+    def distractor_loss(self, q: torch.Tensor) -> torch.Tensor:
+        """Mean softmax mass that R random keys take from the null entry, at each query's own n.
+
+        The random keys go through k_proj and the RMS norm but are detached: the loss teaches the
+        queries, the temperature and the null floor to reject noise, not the keys to hide from it.
+        """
+        a = self.args
+        B, T, H, D = q.shape
+        noise = torch.randn(a.distractor_keys, a.d_model, device=q.device, dtype=q.dtype)
+        keys = rms_norm(self.k_proj(noise).view(-1, a.n_kv_heads, D), a.norm_eps).detach()
+        keys = keys.repeat_interleave(H // a.n_kv_heads, dim=1)  # (R, H, D)
+        scores = torch.einsum("bthd,rhd->bthr", q.float(), keys.float()) / D**0.5
+        n = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)
+        if a.window:
+            n = n.clamp(max=a.window)
+        temp, null = polar_scalars(n[:, None], self.len_gain, self.null_base, self.null_slope)  # (T, H)
+        logits = torch.cat([scores, null[None, :, :, None].expand(B, T, H, 1)], dim=-1) * temp[None, :, :, None]
+        return logits.softmax(dim=-1)[..., :-1].sum(-1).mean()
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal softmax attention on (B, T, H, D) with GQA, optionally limited to the last `window` keys."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    group = q.shape[2] // k.shape[2]
+    if group > 1:  # explicit expansion: enable_gqa is not available on every backend we run
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    if window:
+        T = q.shape[1]
+        i = torch.arange(T, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    else:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    return o.transpose(1, 2)

@@ -1,0 +1,128 @@
+"""Model hyper-parameters: the `ModelArgs` record, the named flavors, and config overrides.
+
+A flavor names a full set of hyper-parameters; every `[model]` key left at None keeps the flavor's
+value, so an ablation changes one key (`--model.attention softmax`) and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    mlp: str = "relu2"  # relu2 (squared-ReLU GLU) | swiglu
+    global_layers: tuple[int, ...] = ()
+    attention: str = "polar"  # polar | softmax
+    position: str = "nope"  # nope | rope
+    canon: bool = True
+    memory: bool = True
+    window: int = 0
+    distractor_weight: float = 0.0
+    distractor_keys: int = 16
+    gamma_max: float = 1.0
+    logit_softcap: float = 15.0
+    memory_chunk: int = 64
+    conv_kernel: int = 3
+    canon_kernel: int = 4
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000.0
+    attention_block: int = 128
+
+    def is_global(self, i: int) -> bool:
+        return i in self.global_layers
+
+
+def parse_layer_pattern(pattern: str, n_layers: int) -> tuple[int, ...]:
+    """'i%4==2' (a rule on the block index) or '2,6,10,14' (a list); '' or 'none' = no global block."""
+    text = pattern.replace(" ", "").strip("[]()")
+    if text.lower() in ("", "none"):
+        return ()
+    if text.lower() == "all":
+        return tuple(range(n_layers))
+    rule = re.fullmatch(r"i%(\d+)==(\d+)", text)
+    if rule:
+        period, rest = int(rule.group(1)), int(rule.group(2))
+        if period == 0:
+            raise ValueError(f"global_layers rule {pattern!r}: the period must be >= 1")
+        return tuple(i for i in range(n_layers) if i % period == rest)
+    if re.fullmatch(r"\d+(,\d+)*,?", text):
+        layers = tuple(sorted({int(x) for x in text.split(",") if x}))
+        bad = [i for i in layers if i >= n_layers]
+        if bad:
+            raise ValueError(f"global_layers {pattern!r}: block indices {bad} do not exist (n_layers = {n_layers})")
+        return layers
+    raise ValueError(
+        f"global_layers {pattern!r} is not understood; allowed: a rule like 'i%4==2', a list like '2,6,10,14', "
+        "'all' or 'none'"
+    )
+
+
+FLAVORS: dict[str, ModelArgs] = {
+    # Tiny: trains on a laptop CPU in seconds. Block 2 is global (i % 4 == 2).
+    "debug": ModelArgs(
+        vocab_size=512, d_model=128, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=64, mlp_hidden=512,
+        global_layers=parse_layer_pattern("i%4==2", 4), memory_chunk=32, attention_block=64,
+    ),
+    # The paper's 370M model (ATMA.md section 1): 378,220,864 parameters.
+    "atma_370m": ModelArgs(
+        vocab_size=50_304, d_model=1024, n_layers=16, n_heads=8, n_kv_heads=2, head_dim=128, mlp_hidden=4096,
+        global_layers=parse_layer_pattern("i%4==2", 16),
+    ),
+}
+
+_CHOICES = {"mlp": ("relu2", "swiglu"), "attention": ("polar", "softmax"), "position": ("nope", "rope")}
+
+
+def resolve_model_args(model_cfg) -> ModelArgs:
+    """The flavor named by `model_cfg.flavor` with every non-None `[model]` key applied on top."""
+    if model_cfg.flavor not in FLAVORS:
+        raise ValueError(f"'model.flavor' = {model_cfg.flavor!r} is unknown; allowed: {', '.join(FLAVORS)}")
+    args = FLAVORS[model_cfg.flavor]
+    overrides = {
+        f.name: getattr(model_cfg, f.name)
+        for f in dataclasses.fields(ModelArgs)
+        if hasattr(model_cfg, f.name) and getattr(model_cfg, f.name) is not None and f.name != "global_layers"
+    }
+    n_layers = overrides.get("n_layers", args.n_layers)
+    pattern = getattr(model_cfg, "global_layers", None)
+    if pattern is not None:
+        overrides["global_layers"] = parse_layer_pattern(pattern, n_layers)
+    elif n_layers != args.n_layers:
+        overrides["global_layers"] = tuple(i for i in range(n_layers) if i % 4 == 2)
+    # The RoPE variant carries position in the rotation; ATMA.md drops the Canon convolutions there.
+    if overrides.get("position") == "rope" and getattr(model_cfg, "canon", None) is None:
+        overrides["canon"] = False
+    args = dataclasses.replace(args, **overrides)
+    check_model_args(args)
+    return args
+
+
+def check_model_args(a: ModelArgs) -> None:
+    def need(ok: bool, key: str, value, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"'model.{key}' = {value!r} is invalid; allowed: {allowed}")
+
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden"):
+        need(getattr(a, key) >= 1, key, getattr(a, key), "an integer >= 1")
+    need(a.n_heads % a.n_kv_heads == 0, "n_kv_heads", a.n_kv_heads, f"a divisor of model.n_heads ({a.n_heads})")
+    for key, choices in _CHOICES.items():
+        need(getattr(a, key) in choices, key, getattr(a, key), " | ".join(choices))
+    need(a.window >= 0, "window", a.window, "0 (full context) or a positive number of tokens")
+    need(a.distractor_weight >= 0, "distractor_weight", a.distractor_weight, ">= 0")
+    need(a.distractor_keys >= 1, "distractor_keys", a.distractor_keys, "an integer >= 1")
+    need(0 < a.gamma_max <= 1, "gamma_max", a.gamma_max, "a number in (0, 1]")
+    need(a.logit_softcap >= 0, "logit_softcap", a.logit_softcap, ">= 0 (0 = off)")
+    need(a.memory_chunk >= 1, "memory_chunk", a.memory_chunk, "an integer >= 1")
+    need(not (a.position == "rope" and a.head_dim % 2), "head_dim", a.head_dim, "an even number with RoPE")
+    need(not (a.distractor_weight > 0 and a.attention != "polar"), "distractor_weight", a.distractor_weight,
+         "0 unless model.attention = polar (the loss scores keys against the Polar null)")

@@ -1,0 +1,74 @@
+"""Small building blocks shared by the ATMA blocks: RMSNorm, causal depthwise convolution, RoPE, MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMS-normalise the last dimension in fp32 (no learned weight); returns x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.eps) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class CausalDepthwiseConv(nn.Module):
+    """y[t, c] = sum_j w[c, j] x[t - (k-1) + j, c]: left-padded, per channel, no bias.
+
+    The weight is stored as a (channels, kernel) matrix so Muon treats it like any block matrix.
+    """
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+        self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
+        xt = F.pad(x.transpose(1, 2), (self.kernel - 1, 0))
+        y = F.conv1d(xt, self.weight.unsqueeze(1).to(x.dtype), groups=self.weight.shape[0])
+        return y.transpose(1, 2)
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default for a depthwise kernel: U(-1/sqrt(k), 1/sqrt(k)).
+        bound = self.kernel**-0.5
+        nn.init.uniform_(self.weight, -bound, bound)
+
+
+def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding on (B, T, H, D), rotating the two halves of D (positions 0..T-1)."""
+    T, D = x.shape[1], x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, D // 2, device=x.device, dtype=torch.float32) / (D // 2))
+    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """GLU MLP: `[a, g] = fc(x)`; relu2: `proj(g * relu(a)^2)`; swiglu: `proj(g * silu(a))`."""
+
+    def __init__(self, d_model: int, hidden: int, kind: str = "relu2"):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(d_model, 2 * hidden)
+        self.proj = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, g = self.fc(x).chunk(2, dim=-1)
+        act = F.relu(a).square() if self.kind == "relu2" else F.silu(a)
+        return self.proj(g * act)

@@ -1,0 +1,53 @@
+"""Gated-delta ("Titans") recurrent memory of the global blocks (ATMA.md section 4).
+
+One (dv x dk) state per query head, written from the block's post-Canon k, v and read with its q:
+
+    M_t = gamma_t M_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   r_t = M_t q_t
+    memory = proj(rms_norm(r) * sigmoid(gate(x)))
+
+with gamma_t = gamma_max * sigmoid(W_gamma x + 3.9) (retention ~0.98 at init) and
+beta_t = sigmoid(W_beta x). q and k are L2-normalised inside the kernel, so every step contracts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atma_titan.kernels.gated_delta import gated_delta_chunked
+from atma_titan.models.flavors import ModelArgs
+from atma_titan.models.layers import rms_norm
+
+RETENTION_OFFSET = 3.9  # sigmoid(3.9) ~ 0.98: a half-life of ~35 tokens before training
+
+
+class GatedDeltaMemory(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.head_dim = args.n_heads, args.head_dim
+        self.log_gamma_max = math.log(args.gamma_max)
+        self.chunk = args.memory_chunk
+        inner = args.n_heads * args.head_dim
+        self.gamma_proj = nn.Linear(args.d_model, args.n_heads)
+        self.beta_proj = nn.Linear(args.d_model, args.n_heads)
+        self.gate = nn.Linear(args.d_model, inner)
+        self.proj = nn.Linear(inner, args.d_model)
+
+    def forward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """x: block input (B, T, d); q: (B, T, H, dk); k, v: (B, T, Hkv, dk), expanded here to H heads."""
+        B, T, H, D = q.shape
+        group = H // k.shape[2]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        log_gamma = F.logsigmoid(self.gamma_proj(x).float() + RETENTION_OFFSET) + self.log_gamma_max
+        beta = torch.sigmoid(self.beta_proj(x).float())
+        r, _ = gated_delta_chunked(q, k, v, log_gamma, beta, chunk_size=self.chunk)
+        gate = torch.sigmoid(self.gate(x)).view(B, T, H, D)
+        return self.proj((rms_norm(r) * gate).reshape(B, T, H * D))
+
+    def zero_output(self) -> None:
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)

@@ -1,0 +1,124 @@
+"""Optimizers and learning-rate schedules (ATMA.md section 6).
+
+Muon takes every >=2-D weight inside the blocks (Newton-Schulz on the whole matrix); AdamW takes
+the rest in three groups: the embedding, the LM head, and every 1-D parameter (norms, biases,
+per-head scalars), each with its own learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from atma_titan.config import LRScheduler, Optimizer
+
+
+def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Partition trainable parameters into the groups of the recipe, by name and shape."""
+    groups: dict[str, list[nn.Parameter]] = {"matrix": [], "embed": [], "head": [], "scalar": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name.startswith("embed."):
+            groups["embed"].append(p)
+        elif name.startswith("head."):
+            groups["head"].append(p)
+        elif name.startswith("blocks.") and p.ndim >= 2:
+            groups["matrix"].append(p)
+        else:
+            groups["scalar"].append(p)
+    return groups
+
+
+class Optimizers:
+    """Several optimizers stepped, zeroed and checkpointed as one."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return {str(i): opt.state_dict() for i, opt in enumerate(self.optimizers)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, opt in enumerate(self.optimizers):
+            opt.load_state_dict(state[str(i)])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+
+def build_optimizers(model: nn.Module, cfg: Optimizer) -> Optimizers:
+    groups = split_parameters(model)
+    adam_groups = [
+        {"params": groups["embed"], "lr": cfg.embed_lr, "name": "embed"},
+        {"params": groups["head"], "lr": cfg.head_lr, "name": "head"},
+        {"params": groups["scalar"], "lr": cfg.scalar_lr, "name": "scalar"},
+    ]
+    optimizers = []
+    if cfg.name == "muon_adamw":
+        if groups["matrix"]:
+            optimizers.append(torch.optim.Muon(
+                [{"params": groups["matrix"], "name": "matrix"}], lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
+                momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps,
+            ))
+    else:
+        adam_groups.append({"params": groups["matrix"], "lr": cfg.matrix_lr, "name": "matrix"})
+    adam_groups = [g for g in adam_groups if g["params"]]
+    optimizers.append(torch.optim.AdamW(
+        adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
+    ))
+    return Optimizers(optimizers)
+
+
+def lr_factor(cfg: LRScheduler, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of each group's peak lr for the optimizer step that follows `done` completed steps."""
+    warmup = cfg.warmup_steps
+    floor = cfg.min_lr_ratio
+
+    def constant_then_linear(done: int) -> float:
+        if done < warmup:
+            return (done + 1) / warmup
+        start = max(warmup, int(cfg.decay_start * total_steps))
+        if done < start:
+            return 1.0
+        progress = (done - start) / max(1, total_steps - start)
+        return floor + (1.0 - floor) * max(0.0, 1.0 - progress)
+
+    def warmup_cosine(done: int) -> float:
+        if done < warmup:
+            return (done + 1) / warmup
+        progress = min(1.0, (done - warmup) / max(1, total_steps - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return {"constant_then_linear": constant_then_linear, "warmup_cosine": warmup_cosine}[cfg.name]
+
+
+class LRSchedules:
+    """One LambdaLR per optimizer, all following the same factor."""
+
+    def __init__(self, optimizers: Optimizers, cfg: LRScheduler, total_steps: int):
+        factor = lr_factor(cfg, total_steps)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers.optimizers]
+
+    def step(self) -> None:
+        for s in self.schedulers:
+            s.step()
+
+    def state_dict(self) -> dict:
+        return {str(i): s.state_dict() for i, s in enumerate(self.schedulers)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, s in enumerate(self.schedulers):
+            s.load_state_dict(state[str(i)])
