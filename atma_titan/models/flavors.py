@@ -43,9 +43,9 @@ class ModelArgs:
 
 
 def parse_layer_pattern(pattern: str, n_layers: int) -> tuple[int, ...]:
-    """'i%4==2' (a rule on the block index) or '2,6,10,14' (a list); '' or 'none' = no global block."""
+    """'i%4==2' (a rule on the block index), '2,6,10,14' (a list), 'all', or '[]' (no global block)."""
     text = pattern.replace(" ", "").strip("[]()")
-    if text.lower() in ("", "none"):
+    if not text:
         return ()
     if text.lower() == "all":
         return tuple(range(n_layers))
@@ -63,7 +63,7 @@ def parse_layer_pattern(pattern: str, n_layers: int) -> tuple[int, ...]:
         return layers
     raise ValueError(
         f"global_layers {pattern!r} is not understood; allowed: a rule like 'i%4==2', a list like '2,6,10,14', "
-        "'all' or 'none'"
+        "'all' or '[]'"
     )
 
 

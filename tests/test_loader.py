@@ -1,0 +1,45 @@
+import torch
+
+from atma_titan.data import SyntheticSource
+from atma_titan.data.loader import RankBatches, build_dataloader
+
+SOURCE = SyntheticSource(vocab_size=128, seed=5)
+
+
+def take(loader, n):
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def test_labels_are_inputs_shifted_by_one():
+    inputs, labels = next(iter(build_dataloader(SOURCE, 16, global_batch=4, micro_batch=2)))
+    assert inputs.shape == labels.shape == (2, 16) and inputs.dtype == torch.int64
+    window = torch.from_numpy(SOURCE.window(0, 17))
+    assert torch.equal(inputs[0], window[:-1]) and torch.equal(labels[0], window[1:])
+
+
+def test_ranks_split_each_global_batch_into_disjoint_slices():
+    single = torch.cat([x for x, _ in take(build_dataloader(SOURCE, 8, 8, 2), 8)])  # 2 steps of 8
+    for world in (2, 4):
+        per_rank = [torch.cat([x for x, _ in take(build_dataloader(SOURCE, 8, 8, 2, rank=r, world_size=world),
+                                                  8 // world)]) for r in range(world)]
+        for step in range(2):  # each step's global batch is the rank slices, concatenated
+            rows = torch.cat([p[step * 8 // world:(step + 1) * 8 // world] for p in per_rank])
+            assert torch.equal(rows, single[step * 8:(step + 1) * 8])
+
+
+def test_workers_do_not_change_the_batches():
+    plain = take(build_dataloader(SOURCE, 8, 8, 2), 6)
+    workers = take(build_dataloader(SOURCE, 8, 8, 2, num_workers=2), 6)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(plain, workers))
+
+
+def test_start_window_resumes_the_stream():
+    full = take(build_dataloader(SOURCE, 8, 4, 2), 6)
+    resumed = take(build_dataloader(SOURCE, 8, 4, 2, start_window=8), 2)  # after 2 steps of 4
+    assert torch.equal(resumed[0][0], full[4][0]) and torch.equal(resumed[1][0], full[5][0])
+
+
+def test_global_index_mapping():
+    ds = RankBatches(SOURCE, 8, global_batch=8, micro_batch=2, rank=1, world_size=2)
+    assert [ds.global_index(s) for s in range(6)] == [4, 5, 6, 7, 12, 13]

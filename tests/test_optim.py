@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from atma_titan.config import JobConfig, LRScheduler
+from atma_titan.optim import build_optimizers, lr_factor, split_parameters
+from atma_titan.train import build_model
+
+
+def test_parameter_groups_follow_the_recipe():
+    model = build_model(JobConfig(), torch.device("cpu"))
+    groups = split_parameters(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sum(len(g) for g in groups.values()) == len(list(model.parameters()))
+    assert all(p.ndim >= 2 and names[id(p)].startswith("blocks.") for p in groups["matrix"])
+    assert all(p.ndim == 1 for p in groups["scalar"])
+    assert [names[id(p)] for p in groups["embed"]] == ["embed.weight"]
+    assert sorted(names[id(p)] for p in groups["head"]) == ["head.bias", "head.weight"]
+    # Conv kernels and v_null are block matrices too: Muon takes them.
+    matrix_names = {names[id(p)] for p in groups["matrix"]}
+    assert "blocks.0.mixer.conv.weight" in matrix_names and "blocks.2.mixer.v_null" in matrix_names
+
+    opts = build_optimizers(model, JobConfig().optimizer)
+    muon, adam = opts.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adam, torch.optim.AdamW)
+    lrs = {g["name"]: g["lr"] for g in opts.param_groups}
+    assert lrs == {"matrix": 0.02, "embed": 0.3, "head": 1 / 320, "scalar": 0.01}
+    assert adam.defaults["betas"] == (0.8, 0.95) and adam.defaults["eps"] == 1e-10
+
+
+def test_constant_then_linear_schedule():
+    f = lr_factor(LRScheduler(name="constant_then_linear", decay_start=0.3), 100)
+    assert [f(i) for i in (0, 29)] == [1.0, 1.0]
+    assert f(30) == 1.0 and f(65) == pytest.approx(0.5)
+    assert 0 < f(99) < 0.02
+    values = [f(i) for i in range(100)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_warmup_cosine_schedule():
+    f = lr_factor(LRScheduler(name="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1), 110)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)

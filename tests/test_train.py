@@ -1,0 +1,55 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from atma_titan.config import load_config
+from atma_titan.train import train
+
+SMALL = ["--training.steps", "3", "--training.seq_len", "32", "--training.batch_tokens", "256",
+         "--training.micro_batch_size", "4", "--metrics.log_freq", "1", "--job.print_config", "false"]
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_train(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "atma_titan.train", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+@pytest.mark.slow
+def test_debug_config_trains_and_loss_falls(tmp_path):
+    proc = run_train("--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "step  100 | loss" in proc.stdout  # progress on stdout
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1] + list(range(10, 101, 10))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_second", "mfu"):
+        assert key in rows[0]
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    assert (tmp_path / "config.toml").read_text() == load_config(
+        ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path)]).to_toml()
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    one = train(load_config(SMALL + ["--job.dump_folder", str(tmp_path / "a"), "--metrics.stdout", "false"]))
+    acc = train(load_config(SMALL + ["--job.dump_folder", str(tmp_path / "b"), "--metrics.stdout", "false",
+                                     "--training.micro_batch_size", "2"]))
+    assert one["loss"] == pytest.approx(acc["loss"], rel=1e-4)
+
+
+def test_wandb_offline_and_tensorboard_write_logs(tmp_path):
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    proc = run_train(*SMALL, "--job.dump_folder", str(tmp_path), "--metrics.tensorboard", "true",
+                     "--metrics.wandb", "true", "--metrics.wandb_mode", "offline",
+                     env={"WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path),
+                          "WANDB_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
