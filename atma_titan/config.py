@@ -71,7 +71,7 @@ class Model:
     gamma_max: Optional[float] = opt(None, "Cap on memory retention gamma, multiplies the sigmoid (None: the flavor's).")
     logit_softcap: Optional[float] = opt(None, "LM-head logit soft-cap c, 0 = off (None: the flavor's).")
     memory_chunk: Optional[int] = opt(None, "Chunk length of the chunked memory form (None: the flavor's).")
-    attention_block: int = opt(128, "Query/key tile size of the streaming Polar reference.")
+    attention_block: Optional[int] = opt(None, "Query/key tile of the streaming Polar reference (None: the flavor's).")
 
 
 @dataclass
@@ -84,6 +84,17 @@ class Training:
     mixed_precision: str = opt("bf16", "Autocast dtype on GPU (CPU always trains in fp32).", ("bf16", "fp32"))
     device: str = opt("auto", "Device: auto (CUDA if present), cpu or cuda.", ("auto", "cpu", "cuda"))
     compile: bool = opt(False, "torch.compile each block (fullgraph).")
+    compile_backend: str = opt("inductor", "torch.compile backend (aot_eager: fast to compile, for tests).",
+                               ("inductor", "aot_eager", "eager"))
+    nan_policy: str = opt("abort", "On a NaN/Inf loss or gradient: stop (last checkpoint intact) or skip the step.",
+                          ("abort", "skip"))
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "Recompute activations in backward: none, full blocks, or selective (op-level).",
+                    ("none", "full", "selective"))
+    every_n: int = opt(1, "With mode = full: checkpoint every N-th block.")
 
 
 @dataclass
@@ -120,15 +131,23 @@ class Data:
 
 @dataclass
 class Checkpoint:
-    enable: bool = opt(False, "Save checkpoints.")
+    enable: bool = opt(False, "Save checkpoints (every `interval` steps, at the end, and on SIGTERM/SIGUSR1).")
     folder: str = opt("checkpoints", "Checkpoint folder, relative to job.dump_folder.")
     interval: int = opt(500, "Save every N steps (and at the end).")
+    keep_latest_k: int = opt(0, "Keep only the newest K complete checkpoints (0 = keep all).")
+    async_save: bool = opt(False, "Write checkpoints in the background while training continues.")
+    resume: bool = opt(True, "Resume from the newest complete checkpoint in the folder, if there is one.")
+    load_step: int = opt(-1, "Resume from this step instead of the newest (-1 = newest).")
+    load_path: str = opt("", "Start from this checkpoint directory (e.g. another run's step-N) when the folder has none.")
+    model_only: bool = opt(False, "With load_path: load only the model weights (fine-tuning), not optimizer or step.")
+    export_safetensors: bool = opt(False, "At the end, also write the final weights to <dump_folder>/model.safetensors.")
 
 
 @dataclass
 class Parallelism:
     dp_shard: int = opt(-1, "FSDP shard degree, -1 = all ranks not used by other dimensions.")
     dp_replicate: int = opt(1, "Replicate degree (HSDP when > 1).")
+    reshard_after_forward: bool = opt(True, "FSDP: free gathered block parameters after forward (less memory).")
 
 
 @dataclass
@@ -145,16 +164,25 @@ class Metrics:
 
 
 @dataclass
+class Debug:
+    nan_at_step: int = opt(0, "Fault injection: make the loss NaN at this step (0 = never).")
+    signal_at_step: int = opt(0, "Fault injection: send SIGTERM to one rank during this step (0 = never).")
+    signal_rank: int = opt(0, "Fault injection: the rank that gets the signal.")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
+    debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -349,7 +377,11 @@ def validate(cfg: JobConfig) -> None:
     need(len(cfg.optimizer.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.adam_betas),
          "optimizer.adam_betas", cfg.optimizer.adam_betas, "two numbers in [0, 1)")
     need(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, "an integer >= 1")
-    need(cfg.model.attention_block >= 1, "model.attention_block", cfg.model.attention_block, "an integer >= 1")
+    need(cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, ">= 0")
+    need(cfg.activation_checkpoint.every_n >= 1, "activation_checkpoint.every_n", cfg.activation_checkpoint.every_n,
+         "an integer >= 1")
+    need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
+    need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
     # Model flavor and overrides are checked where the model args are resolved (models/flavors.py),
     # so the message can name the flavor.
     from atma_titan.models.flavors import resolve_model_args
@@ -420,6 +452,21 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m atma_titan.config  -> the README's config reference
-    print(reference_markdown())
+README_MARKERS = ("<!-- config-reference:start -->\n", "<!-- config-reference:end -->")
+
+
+def update_readme(path: str | Path) -> None:
+    """Rewrite the config reference between the README's markers."""
+    path = Path(path)
+    text = path.read_text()
+    start, end = README_MARKERS
+    head, rest = text.split(start, 1)
+    path.write_text(head + start + reference_markdown() + end + rest.split(end, 1)[1])
+
+
+if __name__ == "__main__":  # python -m atma_titan.config [--update README.md]
+    if sys.argv[1:2] == ["--update"]:
+        update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    else:
+        print(reference_markdown())
 

@@ -12,8 +12,60 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from atma_titan.config import LRScheduler, Optimizer
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, as in torch.optim.Muon
+
+
+def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """Newton-Schulz approximation of U V^T for update = U S V^T, in bf16 (torch.optim.Muon's recipe)."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.bfloat16()
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon that also takes FSDP2-sharded (DTensor) matrices.
+
+    Momentum is kept per shard; Newton-Schulz needs the whole matrix, so each sharded update is
+    all-gathered, orthogonalised, and each rank keeps its own slice. Every rank does the same
+    arithmetic on the same full matrix, so one step equals a single-process Muon step.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("Muon here takes no closure")
+        for group in self.param_groups:
+            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                if isinstance(update, DTensor):
+                    full = orthogonalize(update.full_tensor(), group["ns_steps"], group["eps"])
+                    # src_data_rank=None: every rank holds `full` already, so slicing needs no communication.
+                    update = distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+                else:
+                    update = orthogonalize(update, group["ns_steps"], group["eps"])
+                rows, cols = p.shape
+                p.mul_(1 - lr * wd)
+                p.add_(update.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+        return None
 
 
 def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -69,7 +121,7 @@ def build_optimizers(model: nn.Module, cfg: Optimizer) -> Optimizers:
     optimizers = []
     if cfg.name == "muon_adamw":
         if groups["matrix"]:
-            optimizers.append(torch.optim.Muon(
+            optimizers.append(Muon(
                 [{"params": groups["matrix"], "name": "matrix"}], lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
                 momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps,
             ))

@@ -89,9 +89,9 @@ def test_help_exits_zero():
 def test_readme_config_reference_is_current():
     from pathlib import Path
 
-    from atma_titan.config import reference_markdown
+    from atma_titan.config import README_MARKERS, reference_markdown
 
     readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
-    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    start, end = README_MARKERS
     section = readme[readme.index(start) + len(start):readme.index(end)]
-    assert section == reference_markdown(), "regenerate with: python -m atma_titan.config"
+    assert section == reference_markdown(), "regenerate with: python -m atma_titan.config --update README.md"

@@ -43,3 +43,20 @@ def test_start_window_resumes_the_stream():
 def test_global_index_mapping():
     ds = RankBatches(SOURCE, 8, global_batch=8, micro_batch=2, rank=1, world_size=2)
     assert [ds.global_index(s) for s in range(6)] == [4, 5, 6, 7, 12, 13]
+    shifted = RankBatches(SOURCE, 8, global_batch=8, micro_batch=2, rank=1, world_size=2, start_window=3)
+    assert [shifted.global_index(s) for s in range(3)] == [7, 8, 9]  # resumes after any window count
+
+
+def test_loader_state_resumes_exactly_with_and_without_workers():
+    for workers in (0, 2):
+        loader = build_dataloader(SOURCE, 8, 4, 2, num_workers=workers)
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        state = loader.state_dict()
+        expected = [next(it)[0] for _ in range(3)]
+        resumed = build_dataloader(SOURCE, 8, 4, 2, num_workers=workers)
+        resumed.load_state_dict(state)
+        it2 = iter(resumed)
+        got = [next(it2)[0] for _ in range(3)]
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), f"workers={workers}"

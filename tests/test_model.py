@@ -149,6 +149,17 @@ def test_causal_future_tokens_do_not_change_the_past(overrides):
     assert not torch.allclose(a[0, 15:], b[0, 15:])
 
 
+def test_causal_depthwise_conv_matches_conv1d():
+    from atma_titan.models.layers import CausalDepthwiseConv
+
+    for kernel in (3, 4):
+        conv = CausalDepthwiseConv(6, kernel)
+        x = torch.randn(2, 9, 6, dtype=torch.float64)
+        w = conv.weight.detach().double()
+        expected = F.conv1d(F.pad(x.transpose(1, 2), (kernel - 1, 0)), w.unsqueeze(1), groups=6).transpose(1, 2)
+        assert torch.allclose(conv.double()(x), expected)
+
+
 def test_softcap_is_bounded_and_near_identity():
     z = torch.tensor([-1e4, -1.0, 0.0, 0.5, 1e4])
     out = softcap(z, 15.0)

@@ -40,3 +40,22 @@ def test_warmup_cosine_schedule():
     f = lr_factor(LRScheduler(name="warmup_cosine", warmup_steps=10, min_lr_ratio=0.1), 110)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
+
+
+def test_muon_equals_torch_muon_on_plain_tensors():
+    from atma_titan.optim import Muon
+
+    torch.manual_seed(0)
+    weights = [torch.randn(16, 8), torch.randn(4, 12), torch.randn(32, 3)]
+    ours = [w.clone().requires_grad_() for w in weights]
+    ref = [w.clone().requires_grad_() for w in weights]
+    opt_ours = Muon(ours, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
+    opt_ref = torch.optim.Muon(ref, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
+    for _ in range(3):
+        grads = [torch.randn_like(w) for w in weights]
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_ref.step()
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q)

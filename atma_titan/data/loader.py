@@ -9,6 +9,7 @@ even on a different number of ranks.
 
 from __future__ import annotations
 
+import warnings
 from typing import Protocol
 
 import numpy as np
@@ -24,7 +25,8 @@ class RankBatches(IterableDataset):
     """This rank's share of the global window stream, as micro-batches of (inputs, labels), each (b, seq_len).
 
     With several loader workers, worker w builds this rank's micro-batches w, w + n, w + 2n, ...; the
-    loader takes workers in turn, so the batches are the same for any number of workers.
+    loader takes workers in turn, so the batches are the same for any number of workers. The state
+    (`next_batch`) is per worker; the StatefulDataLoader gathers and restores it.
     """
 
     def __init__(self, source: WindowSource, seq_len: int, global_batch: int, micro_batch: int, rank: int = 0,
@@ -32,17 +34,15 @@ class RankBatches(IterableDataset):
         if global_batch % (world_size * micro_batch):
             raise ValueError(f"a global batch of {global_batch} sequences does not split into micro-batches of "
                              f"{micro_batch} on {world_size} ranks")
-        if start_window % global_batch:
-            raise ValueError(f"start window {start_window} is not at a step boundary (global batch {global_batch})")
         self.source, self.seq_len, self.micro_batch = source, seq_len, micro_batch
         self.global_batch, self.per_rank = global_batch, global_batch // world_size
-        self.rank = rank
-        self.start_batch = start_window // global_batch * (self.per_rank // micro_batch)
+        self.rank, self.start_window = rank, start_window
+        self.next_batch: int | None = None  # None: start at this worker's first batch
 
     def global_index(self, sample: int) -> int:
-        """Global window index of this rank's `sample`-th sample."""
+        """Global window index of this rank's `sample`-th sample since `start_window`."""
         step, within = divmod(sample, self.per_rank)
-        return step * self.global_batch + self.rank * self.per_rank + within
+        return self.start_window + step * self.global_batch + self.rank * self.per_rank + within
 
     def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         first = b * self.micro_batch
@@ -53,15 +53,28 @@ class RankBatches(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        b = self.start_batch + worker
+        if self.next_batch is None:
+            self.next_batch = worker
         while True:
+            b = self.next_batch
+            self.next_batch += n_workers
             yield self.batch(b)
-            b += n_workers
+
+    def state_dict(self) -> dict:
+        return {"next_batch": self.next_batch, "start_window": self.start_window}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_batch, self.start_window = state["next_batch"], state["start_window"]
 
 
 def build_dataloader(source: WindowSource, seq_len: int, global_batch: int, micro_batch: int, *, rank: int = 0,
                      world_size: int = 1, start_window: int = 0, num_workers: int = 0, pin_memory: bool = False):
+    """A torchdata StatefulDataLoader over this rank's micro-batches; its state_dict() resumes it exactly."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    # torchdata 0.11 calls torch.set_vital, deprecated since torch 2.12: harmless, but noisy in every run.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
     dataset = RankBatches(source, seq_len, global_batch, micro_batch, rank, world_size, start_window)
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
-    )
+    return StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                              persistent_workers=num_workers > 0)

@@ -42,7 +42,7 @@ class ATMA(nn.Module):
         # A ModuleDict keyed by the block index keeps checkpoint keys stable under AC/compile wrappers.
         self.blocks = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.d_model, args.norm_eps)
-        self.head = nn.Linear(args.d_model, args.vocab_size)
+        self.head = SoftcapHead(args.d_model, args.vocab_size, args.logit_softcap)
 
     def forward(self, tokens: torch.Tensor, return_aux: bool = False):
         """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss."""
@@ -52,7 +52,7 @@ class ATMA(nn.Module):
             h, aux = block(h)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
-        logits = softcap(self.head(self.norm(h)).float(), self.args.logit_softcap)
+        logits = self.head(self.norm(h))
         return (logits, aux_total) if return_aux else logits
 
     @torch.no_grad()
@@ -73,6 +73,21 @@ class ATMA(nn.Module):
             nn.init.zeros_(block.mlp.proj.bias)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+
+
+class SoftcapHead(nn.Linear):
+    """The untied LM head: a biased Linear whose logits are soft-capped in fp32.
+
+    One module (parameter names `head.weight`, `head.bias`) so it can be compiled as a unit, which
+    fuses the cast and the cap instead of materialising several (tokens x vocab) fp32 tensors.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, cap: float):
+        super().__init__(d_model, vocab_size)
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return softcap(super().forward(x).float(), self.cap)
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""Process groups and the data-parallel device mesh, initialised from torchrun's environment.
+
+The mesh has two data-parallel dimensions, `dp_replicate` x `dp_shard`: FSDP shards parameters
+over `dp_shard` and, when `dp_replicate` > 1, replicates those shards (HSDP) — one config change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class ParallelDims:
+    world_size: int
+    rank: int
+    local_rank: int
+    dp_replicate: int
+    dp_shard: int
+    mesh: DeviceMesh | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """True under torchrun (even with one rank): the model is sharded with FSDP2."""
+        return self.mesh is not None
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        if self.mesh is None:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank  # data parallelism is the only dimension, so the DP rank is the global rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_degrees(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
+    """Fill in dp_shard = -1 and check that the degrees multiply to the world size."""
+    if dp_replicate < 1:
+        raise ValueError(f"'parallelism.dp_replicate' = {dp_replicate} is invalid; allowed: an integer >= 1")
+    if dp_shard == -1:
+        if world_size % dp_replicate:
+            raise ValueError(f"'parallelism.dp_replicate' = {dp_replicate} does not divide the world size "
+                             f"{world_size}; allowed: a divisor of the number of ranks")
+        dp_shard = world_size // dp_replicate
+    if dp_shard < 1 or dp_replicate * dp_shard != world_size:
+        raise ValueError(f"'parallelism.dp_replicate' x 'parallelism.dp_shard' = {dp_replicate} x {dp_shard} must "
+                         f"equal the world size {world_size}; set dp_shard = -1 to use every remaining rank")
+    return dp_replicate, dp_shard
+
+
+def init_distributed(dp_replicate: int, dp_shard: int, device_type: str, timeout_s: int = 600) -> ParallelDims:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; start NCCL (CUDA) or gloo (CPU) under torchrun.
+
+    A plain `python -m atma_titan.train` (no WORLD_SIZE) runs without process groups or FSDP; under
+    torchrun the model is always FSDP-sharded, with one rank too, so one GPU runs the cluster code path.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    dp_replicate, dp_shard = resolve_degrees(world_size, dp_replicate, dp_shard)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dims = ParallelDims(world_size, rank, local_rank, dp_replicate, dp_shard)
+    if "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        dims.mesh = init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return dims
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,121 @@
+"""Distributed training on CPU with 2 processes over gloo: FSDP2 parity, exact resume, resharding, faults."""
+
+import pytest
+
+from distributed_utils import TINY, losses, run_trainer
+
+pytestmark = pytest.mark.slow
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def test_fsdp_on_two_ranks_matches_one_process(tmp_path):
+    ok(run_trainer(1, *TINY, "--training.steps", "5", "--job.dump_folder", str(tmp_path / "one")))
+    ok(run_trainer(2, *TINY, "--training.steps", "5", "--job.dump_folder", str(tmp_path / "two")))
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert list(one) == list(two) == [1, 2, 3, 4, 5]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+
+
+def test_sigterm_then_restart_resumes_exactly(tmp_path):
+    common = [*TINY, "--training.steps", "10", "--data.num_workers", "1", "--checkpoint.enable", "true",
+              "--checkpoint.interval", "100"]
+    ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "straight")))
+    # SIGTERM reaches rank 1 alone during step 5: both ranks agree to stop after it and save.
+    stopped = ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split"), "--debug.signal_at_step", "5",
+                             "--debug.signal_rank", "1"))
+    assert "received SIGTERM" in stopped.stderr
+    assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["step-5"]
+    assert not (tmp_path / "split" / "DONE").exists()
+    ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split")))
+    assert (tmp_path / "split" / "DONE").exists()
+    straight, split = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert [split[s] for s in range(6, 11)] == [straight[s] for s in range(6, 11)]  # bit-identical
+
+
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)])
+def test_reshard_resume_continues_the_same_token_stream(tmp_path, saved_at, resumed_at):
+    common = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "100", "--training.steps", "6"]
+    ok(run_trainer(resumed_at, *common, "--job.dump_folder", str(tmp_path / "straight")))
+    ok(run_trainer(saved_at, *common, "--job.dump_folder", str(tmp_path / "moved"), "--debug.signal_at_step", "3"))
+    resumed = ok(run_trainer(resumed_at, *common, "--job.dump_folder", str(tmp_path / "moved")))
+    assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
+    straight, moved = losses(tmp_path / "straight"), losses(tmp_path / "moved")
+    for step in (4, 5, 6):
+        assert moved[step] == pytest.approx(straight[step], rel=1e-4), step
+
+
+def test_every_option_on_trains(tmp_path):
+    """AC + compile (fullgraph: a graph break in a block is an error) + FSDP2 + async checkpoints + workers."""
+    for mode in ("selective", "full"):
+        folder = tmp_path / mode
+        ok(run_trainer(2, *TINY, "--training.steps", "3", "--job.dump_folder", str(folder),
+                       "--activation_checkpoint.mode", mode, "--training.compile", "true",
+                       "--training.compile_backend", "aot_eager", "--checkpoint.enable", "true",
+                       "--checkpoint.interval", "2", "--checkpoint.async_save", "true", "--data.num_workers", "1",
+                       "--model.distractor_weight", "0.01", timeout=600))
+        assert list(losses(folder)) == [1, 2, 3]
+        assert (folder / "checkpoints" / "step-3" / "COMPLETE").exists()
+
+
+def test_half_written_checkpoint_is_never_resumed(tmp_path):
+    common = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--job.dump_folder", str(tmp_path)]
+    ok(run_trainer(2, *common, "--training.steps", "2"))
+    crashed = tmp_path / "checkpoints" / "step-3"  # a save that died before its COMPLETE marker
+    crashed.mkdir()
+    (crashed / "__0_0.distcp").write_bytes(b"partial")
+    proc = ok(run_trainer(2, *common, "--training.steps", "3"))
+    assert "at step 2" in proc.stdout
+
+
+def test_nan_loss_aborts_with_last_checkpoint_intact(tmp_path):
+    common = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "4"]
+    proc = run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "abort"), "--debug.nan_at_step", "3")
+    assert proc.returncode != 0
+    assert "loss is nan (grad norm nan) at step 3" in proc.stderr and "checkpoint (step 2) is intact" in proc.stderr
+    assert [p.name for p in (tmp_path / "abort" / "checkpoints").iterdir()] == ["step-2"]
+    assert (tmp_path / "abort" / "checkpoints" / "step-2" / "COMPLETE").exists()
+    proc = ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "skip"), "--debug.nan_at_step", "3",
+                          "--training.nan_policy", "skip"))
+    assert "skipping this update" in proc.stdout and list(losses(tmp_path / "skip")) == [1, 2, 3, 4]
+
+
+def test_world_size_that_does_not_factor_is_a_clear_error(tmp_path):
+    proc = run_trainer(2, *TINY, "--parallelism.dp_replicate", "3", "--job.dump_folder", str(tmp_path))
+    assert proc.returncode != 0 and "dp_replicate" in proc.stderr and "world size 2" in proc.stderr
+
+
+def test_sigterm_to_torchrun_saves_and_a_restart_finishes(tmp_path):
+    """The real path: SIGTERM to torchrun (as SLURM or a user sends it) reaches the workers, which save."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from distributed_utils import ROOT
+
+    args = [*TINY, "--training.steps", "400", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
+            "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "atma_titan.train", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert "received SIGTERM" in err, err[-3000:]
+    saved = [p.name for p in (tmp_path / "checkpoints").iterdir() if (p / "COMPLETE").exists()]
+    assert len(saved) == 1 and not (tmp_path / "DONE").exists()
+    step = int(saved[0].split("-")[1])
+    assert 3 <= step < 400
+    done = ok(run_trainer(2, *TINY, "--training.steps", str(step + 2), "--checkpoint.enable", "true",
+                          "--job.dump_folder", str(tmp_path)))
+    assert f"at step {step}" in done.stdout and (tmp_path / "DONE").exists()
