@@ -65,8 +65,9 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 # DCP warns on every save and load made without torch.distributed (also from the async writer
 # thread, where a local catch_warnings cannot reach); one process is a mode we support on purpose.
-warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 __all__ = [
     "CheckpointManager",
@@ -278,8 +279,9 @@ class CheckpointManager:
         self._check_open()
         self.wait()  # one checkpoint in flight at a time
         if MODEL_KEY not in state:
-            warnings.warn(f"checkpoint state has no {MODEL_KEY!r} key; load_model_only will not find weights in it",
-                          stacklevel=2)
+            warnings.warn(
+                f"checkpoint state has no {MODEL_KEY!r} key; load_model_only will not find weights in it", stacklevel=2
+            )
         ckpt = self.checkpoint_dir(step)
         if self.rank == 0:
             self._fresh_dir(ckpt)
@@ -356,7 +358,7 @@ class CheckpointManager:
 
     def _apply_retention(self, just_saved: int) -> None:
         complete = _complete_steps(self.folder)
-        keep = set(complete[-self.keep_latest_k:]) | {just_saved}
+        keep = set(complete[-self.keep_latest_k :]) | {just_saved}
         newest = complete[-1] if complete else -1
         for step, ckpt in _step_dirs(self.folder):
             if step in keep:
@@ -399,8 +401,10 @@ class CheckpointManager:
     def _not_found(self, ckpt: Path) -> str:
         have = _complete_steps(self.folder)
         state = "does not exist" if not ckpt.exists() else f"has no {MARKER} marker (an unfinished save)"
-        return (f"checkpoint {ckpt} {state}; complete checkpoints under {self.folder}: "
-                f"{', '.join(f'step-{s}' for s in have) if have else 'none'}")
+        return (
+            f"checkpoint {ckpt} {state}; complete checkpoints under {self.folder}: "
+            f"{', '.join(f'step-{s}' for s in have) if have else 'none'}"
+        )
 
     def _barrier(self) -> None:
         if self._group is not None:
@@ -422,8 +426,10 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if _dist_on():
         actual = (dist.get_rank(), dist.get_world_size())
         if (rank is not None and rank != actual[0]) or (world_size is not None and world_size != actual[1]):
-            raise ValueError(f"CheckpointManager got rank={rank}, world_size={world_size} but the default process "
-                             f"group has rank={actual[0]}, world_size={actual[1]}; leave them unset to use it")
+            raise ValueError(
+                f"CheckpointManager got rank={rank}, world_size={world_size} but the default process "
+                f"group has rank={actual[0]}, world_size={actual[1]}; leave them unset to use it"
+            )
         return actual
     rank, world_size = rank or 0, world_size or 1
     if not 0 <= rank < world_size:

@@ -68,7 +68,9 @@ class Model:
     window: Optional[int] = opt(None, "Attention window in tokens, 0 = full context (None: the flavor's).")
     distractor_weight: Optional[float] = opt(None, "Weight of the distractor loss, 0 = off (None: the flavor's).")
     distractor_keys: Optional[int] = opt(None, "Random keys per query for the distractor loss (None: the flavor's).")
-    gamma_max: Optional[float] = opt(None, "Cap on memory retention gamma, multiplies the sigmoid (None: the flavor's).")
+    gamma_max: Optional[float] = opt(
+        None, "Cap on memory retention gamma, multiplies the sigmoid (None: the flavor's)."
+    )
     logit_softcap: Optional[float] = opt(None, "LM-head logit soft-cap c, 0 = off (None: the flavor's).")
     memory_chunk: Optional[int] = opt(None, "Chunk length of the chunked memory form (None: the flavor's).")
     attention_block: Optional[int] = opt(None, "Query/key tile of the streaming Polar reference (None: the flavor's).")
@@ -84,22 +86,29 @@ class Training:
     mixed_precision: str = opt("bf16", "Autocast dtype on GPU (CPU always trains in fp32).", ("bf16", "fp32"))
     device: str = opt("auto", "Device: auto (CUDA if present), cpu or cuda.", ("auto", "cpu", "cuda"))
     compile: bool = opt(False, "torch.compile each block (fullgraph).")
-    compile_backend: str = opt("inductor", "torch.compile backend (aot_eager: fast to compile, for tests).",
-                               ("inductor", "aot_eager", "eager"))
-    nan_policy: str = opt("abort", "On a NaN/Inf loss or gradient: stop (last checkpoint intact) or skip the step.",
-                          ("abort", "skip"))
+    compile_backend: str = opt(
+        "inductor", "torch.compile backend (aot_eager: fast to compile, for tests).", ("inductor", "aot_eager", "eager")
+    )
+    nan_policy: str = opt(
+        "abort", "On a NaN/Inf loss or gradient: stop (last checkpoint intact) or skip the step.", ("abort", "skip")
+    )
 
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("none", "Recompute activations in backward: none, full blocks, or selective (op-level).",
-                    ("none", "full", "selective"))
+    mode: str = opt(
+        "none",
+        "Recompute activations in backward: none, full blocks, or selective (op-level).",
+        ("none", "full", "selective"),
+    )
     every_n: int = opt(1, "With mode = full: checkpoint every N-th block.")
 
 
 @dataclass
 class Optimizer:
-    name: str = opt("muon_adamw", "Muon for block matrices + AdamW for the rest, or AdamW for all.", ("muon_adamw", "adamw"))
+    name: str = opt(
+        "muon_adamw", "Muon for block matrices + AdamW for the rest, or AdamW for all.", ("muon_adamw", "adamw")
+    )
     muon_lr: float = opt(0.02, "Muon learning rate (every >=2-D weight inside the blocks).")
     muon_weight_decay: float = opt(0.01, "Muon decoupled weight decay.")
     muon_momentum: float = opt(0.95, "Muon momentum (Nesterov).")
@@ -138,9 +147,13 @@ class Checkpoint:
     async_save: bool = opt(False, "Write checkpoints in the background while training continues.")
     resume: bool = opt(True, "Resume from the newest complete checkpoint in the folder, if there is one.")
     load_step: int = opt(-1, "Resume from this step instead of the newest (-1 = newest).")
-    load_path: str = opt("", "Start from this checkpoint directory (e.g. another run's step-N) when the folder has none.")
+    load_path: str = opt(
+        "", "Start from this checkpoint directory (e.g. another run's step-N) when the folder has none."
+    )
     model_only: bool = opt(False, "With load_path: load only the model weights (fine-tuning), not optimizer or step.")
-    export_safetensors: bool = opt(False, "At the end, also write the final weights to <dump_folder>/model.safetensors.")
+    export_safetensors: bool = opt(
+        False, "At the end, also write the final weights to <dump_folder>/model.safetensors."
+    )
 
 
 @dataclass
@@ -262,7 +275,9 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
         if isinstance(value, list):
             return value
         if from_cli and isinstance(value, str):
-            return [float(v) if "." in v or "e" in v.lower() else int(v) for v in value.strip("[]").split(",") if v.strip()]
+            return [
+                float(v) if "." in v or "e" in v.lower() else int(v) for v in value.strip("[]").split(",") if v.strip()
+            ]
         raise TypeError("expected a list")
     raise TypeError(f"unsupported field type {tp}")
 
@@ -271,7 +286,8 @@ def _set_field(cfg: JobConfig, section: str, key: str, value: Any, origin: str, 
     all_sections = _SECTION_TYPES
     if section not in all_sections:
         raise ConfigError(
-            f"{origin}: unknown section [{section}]; allowed: {', '.join(all_sections)}.{_closest(section, all_sections)}"
+            f"{origin}: unknown section [{section}]; allowed: {', '.join(all_sections)}."
+            f"{_closest(section, all_sections)}"
         )
     section_obj = getattr(cfg, section)
     fields = _fields(type(section_obj))
@@ -304,8 +320,10 @@ def load_toml(cfg: JobConfig, path: str | Path) -> None:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table; allowed sections: "
-                              f"{', '.join(_SECTION_TYPES)}.{_closest(section, _SECTION_TYPES)}")
+            raise ConfigError(
+                f"{path}: top-level key '{section}' must be a [section] table; allowed sections: "
+                f"{', '.join(_SECTION_TYPES)}.{_closest(section, _SECTION_TYPES)}"
+            )
         for key, value in table.items():
             _set_field(cfg, section, key, value, str(path), from_cli=False)
 
@@ -364,22 +382,42 @@ def validate(cfg: JobConfig) -> None:
     need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
     need(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
     need(t.micro_batch_size >= 1, "training.micro_batch_size", t.micro_batch_size, "an integer >= 1")
-    need(t.batch_tokens % t.seq_len == 0, "training.batch_tokens", t.batch_tokens,
-         f"a multiple of training.seq_len ({t.seq_len})")
+    need(
+        t.batch_tokens % t.seq_len == 0,
+        "training.batch_tokens",
+        t.batch_tokens,
+        f"a multiple of training.seq_len ({t.seq_len})",
+    )
     need(t.max_norm >= 0, "training.max_norm", t.max_norm, ">= 0")
     need(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, "an integer >= 1")
     need(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "an integer >= 0")
-    need(0.0 <= cfg.lr_scheduler.decay_start <= 1.0, "lr_scheduler.decay_start", cfg.lr_scheduler.decay_start,
-         "a fraction in [0, 1]")
-    need(0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0, "lr_scheduler.min_lr_ratio", cfg.lr_scheduler.min_lr_ratio,
-         "a fraction in [0, 1]")
+    need(
+        0.0 <= cfg.lr_scheduler.decay_start <= 1.0,
+        "lr_scheduler.decay_start",
+        cfg.lr_scheduler.decay_start,
+        "a fraction in [0, 1]",
+    )
+    need(
+        0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0,
+        "lr_scheduler.min_lr_ratio",
+        cfg.lr_scheduler.min_lr_ratio,
+        "a fraction in [0, 1]",
+    )
     need(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, ">= 0")
-    need(len(cfg.optimizer.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.adam_betas),
-         "optimizer.adam_betas", cfg.optimizer.adam_betas, "two numbers in [0, 1)")
+    need(
+        len(cfg.optimizer.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.adam_betas),
+        "optimizer.adam_betas",
+        cfg.optimizer.adam_betas,
+        "two numbers in [0, 1)",
+    )
     need(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, "an integer >= 1")
     need(cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, ">= 0")
-    need(cfg.activation_checkpoint.every_n >= 1, "activation_checkpoint.every_n", cfg.activation_checkpoint.every_n,
-         "an integer >= 1")
+    need(
+        cfg.activation_checkpoint.every_n >= 1,
+        "activation_checkpoint.every_n",
+        cfg.activation_checkpoint.every_n,
+        "an integer >= 1",
+    )
     need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
     # Model flavor and overrides are checked where the model args are resolved (models/flavors.py),
@@ -469,4 +507,3 @@ if __name__ == "__main__":  # python -m atma_titan.config [--update README.md]
         update_readme(sys.argv[2] if len(sys.argv) > 2 else "README.md")
     else:
         print(reference_markdown())
-

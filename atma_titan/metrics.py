@@ -247,9 +247,7 @@ class MetricsLogger:
         config: dict | None = None,
     ) -> None:
         if wandb_mode not in ("online", "offline", "disabled"):
-            raise ValueError(
-                f"metrics.wandb_mode must be 'online', 'offline' or 'disabled', got {wandb_mode!r}"
-            )
+            raise ValueError(f"metrics.wandb_mode must be 'online', 'offline' or 'disabled', got {wandb_mode!r}")
         self.dump_folder = Path(dump_folder)
         self.rank = rank
         self.enabled = rank == 0
@@ -269,9 +267,7 @@ class MetricsLogger:
             if tensorboard:
                 self._tb_writer = self._open_tensorboard(config)
             if wandb:
-                self._wandb_run = self._open_wandb(
-                    wandb_project, wandb_entity, wandb_run_name, wandb_mode, config
-                )
+                self._wandb_run = self._open_wandb(wandb_project, wandb_entity, wandb_run_name, wandb_mode, config)
         except BaseException:
             self.close()  # don't leak the sinks that did open
             raise
@@ -324,11 +320,7 @@ class MetricsLogger:
             record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
             self._jsonl_file.write(json.dumps(record) + "\n")
             self._jsonl_file.flush()
-        numeric = {
-            k: v
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._tb_writer is not None:
             for key, value in numeric.items():
                 self._tb_writer.add_scalar(key, value, step)

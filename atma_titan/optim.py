@@ -121,16 +121,27 @@ def build_optimizers(model: nn.Module, cfg: Optimizer) -> Optimizers:
     optimizers = []
     if cfg.name == "muon_adamw":
         if groups["matrix"]:
-            optimizers.append(Muon(
-                [{"params": groups["matrix"], "name": "matrix"}], lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay,
-                momentum=cfg.muon_momentum, nesterov=True, ns_steps=cfg.muon_ns_steps,
-            ))
+            optimizers.append(
+                Muon(
+                    [{"params": groups["matrix"], "name": "matrix"}],
+                    lr=cfg.muon_lr,
+                    weight_decay=cfg.muon_weight_decay,
+                    momentum=cfg.muon_momentum,
+                    nesterov=True,
+                    ns_steps=cfg.muon_ns_steps,
+                )
+            )
     else:
         adam_groups.append({"params": groups["matrix"], "lr": cfg.matrix_lr, "name": "matrix"})
     adam_groups = [g for g in adam_groups if g["params"]]
-    optimizers.append(torch.optim.AdamW(
-        adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
-    ))
+    optimizers.append(
+        torch.optim.AdamW(
+            adam_groups,
+            betas=tuple(cfg.adam_betas),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.adam_weight_decay,
+        )
+    )
     return Optimizers(optimizers)
 
 

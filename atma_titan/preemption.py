@@ -38,8 +38,9 @@ class StopRequest:
         now = time.monotonic()
         if self.received is None:
             self.received, self._first_at = name, now
-            print(f"received {name}: finishing this step, saving a checkpoint, then exiting", file=sys.stderr,
-                  flush=True)
+            print(
+                f"received {name}: finishing this step, saving a checkpoint, then exiting", file=sys.stderr, flush=True
+            )
         elif now - self._first_at >= self.abort_after_s:
             print(f"received {name} again: aborting now without saving", file=sys.stderr, flush=True)
             os._exit(128 + signum)

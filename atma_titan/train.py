@@ -93,8 +93,13 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims | None 
         model = ATMA(resolve_model_args(cfg.model))
     fsdp_bf16 = device.type == "cuda" and cfg.training.mixed_precision == "bf16"
     parallelize(
-        model, dims, ac_mode=cfg.activation_checkpoint.mode, ac_every_n=cfg.activation_checkpoint.every_n,
-        compile=cfg.training.compile, compile_backend=cfg.training.compile_backend, param_dtype=torch.bfloat16 if fsdp_bf16 else None,
+        model,
+        dims,
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_every_n=cfg.activation_checkpoint.every_n,
+        compile=cfg.training.compile,
+        compile_backend=cfg.training.compile_backend,
+        param_dtype=torch.bfloat16 if fsdp_bf16 else None,
         reshard_after_forward=cfg.parallelism.reshard_after_forward,
     )
     model.to_empty(device=device)
@@ -203,10 +208,19 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
 
     # Resume: the run's own newest checkpoint, else an explicit starting point (load_path).
     ckpt_cfg = cfg.checkpoint
-    checkpointer = CheckpointManager(dump / ckpt_cfg.folder, keep_latest_k=ckpt_cfg.keep_latest_k,
-                                     async_save=ckpt_cfg.async_save, rank=dims.rank, world_size=dims.world_size)
-    job_state = {"model": model_state(model), "optimizer": optimizer_state(model, optimizers.optimizers),
-                 "lr_scheduler": schedules, "train_state": train_state}
+    checkpointer = CheckpointManager(
+        dump / ckpt_cfg.folder,
+        keep_latest_k=ckpt_cfg.keep_latest_k,
+        async_save=ckpt_cfg.async_save,
+        rank=dims.rank,
+        world_size=dims.world_size,
+    )
+    job_state = {
+        "model": model_state(model),
+        "optimizer": optimizer_state(model, optimizers.optimizers),
+        "lr_scheduler": schedules,
+        "train_state": train_state,
+    }
     rank_state = None
     resume_step = ckpt_cfg.load_step if ckpt_cfg.load_step >= 0 else checkpointer.latest_step()
     if ckpt_cfg.enable and ckpt_cfg.resume and resume_step is not None:
@@ -221,8 +235,14 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
 
     source = build_source(cfg.data, args.vocab_size)
     loader = build_dataloader(
-        source, cfg.training.seq_len, global_batch, cfg.training.micro_batch_size, rank=dims.dp_rank,
-        world_size=dims.dp_degree, start_window=train_state.windows_consumed, num_workers=cfg.data.num_workers,
+        source,
+        cfg.training.seq_len,
+        global_batch,
+        cfg.training.micro_batch_size,
+        rank=dims.dp_rank,
+        world_size=dims.dp_degree,
+        start_window=train_state.windows_consumed,
+        num_workers=cfg.data.num_workers,
         pin_memory=device.type == "cuda",
     )
     # Same world size and workers: restore this rank's loader and RNGs exactly. Otherwise the loader
@@ -246,17 +266,30 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
     )
     m = cfg.metrics
     logger = MetricsLogger(
-        dump_folder=dump, rank=dims.rank, stdout=m.stdout, jsonl=m.jsonl, tensorboard=m.tensorboard,
-        wandb=m.wandb, wandb_project=m.wandb_project, wandb_entity=m.wandb_entity,
-        wandb_run_name=m.wandb_run_name or dump.name, wandb_mode=m.wandb_mode, config=cfg.to_dict(),
+        dump_folder=dump,
+        rank=dims.rank,
+        stdout=m.stdout,
+        jsonl=m.jsonl,
+        tensorboard=m.tensorboard,
+        wandb=m.wandb,
+        wandb_project=m.wandb_project,
+        wandb_entity=m.wandb_entity,
+        wandb_run_name=m.wandb_run_name or dump.name,
+        wandb_mode=m.wandb_mode,
+        config=cfg.to_dict(),
     )
-    say(f"training steps {train_state.step + 1}..{cfg.training.steps} of {tokens_per_step:,} tokens "
+    say(
+        f"training steps {train_state.step + 1}..{cfg.training.steps} of {tokens_per_step:,} tokens "
         f"({accum} micro-batches of {cfg.training.micro_batch_size} x {cfg.training.seq_len} on each of "
-        f"{dims.dp_degree} ranks) on {device}")
+        f"{dims.dp_degree} ranks) on {device}"
+    )
 
     def save(step: int) -> None:
-        checkpointer.save(step, job_state, rank_state={
-            "loader": loader.state_dict(), "rng": rng_state(device), "num_workers": cfg.data.num_workers})
+        checkpointer.save(
+            step,
+            job_state,
+            rank_state={"loader": loader.state_dict(), "rng": rng_state(device), "num_workers": cfg.data.num_workers},
+        )
 
     stop = StopRequest().install()
     last: dict = {}
@@ -288,8 +321,9 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                     os.kill(os.getpid(), signal.SIGTERM)
                 grad_norm = clip_gradients(model, cfg.training.max_norm)
                 # One small all-reduce a step: global loss, and whether any rank was asked to stop.
-                stats = all_reduce_sum(torch.stack([loss_sum, aux_sum, torch.tensor(
-                    float(stop.requested), device=device)]), dims).tolist()
+                stats = all_reduce_sum(
+                    torch.stack([loss_sum, aux_sum, torch.tensor(float(stop.requested), device=device)]), dims
+                ).tolist()
                 loss_value, aux_value, stop_votes = stats[0], stats[1], stats[2]
                 grad_value = grad_norm.item()
 
@@ -300,7 +334,8 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                     raise NonFiniteLoss(
                         f"loss is {loss_value} (grad norm {grad_value}) at step {step}; stopping. The last "
                         f"checkpoint (step {saved_step}) is intact. Lower the learning rate, or set "
-                        "training.nan_policy = 'skip' to skip such steps.")
+                        "training.nan_policy = 'skip' to skip such steps."
+                    )
                 else:
                     say(f"step {step}: loss {loss_value}, grad norm {grad_value}: skipping this update")
                 lr = optimizers.param_groups[0]["lr"]
@@ -312,8 +347,14 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                 throughput.update(tokens_per_step // dims.dp_degree)
 
                 if step == 1 or step % m.log_freq == 0 or step == cfg.training.steps or stop_votes:
-                    last = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lr,
-                            **throughput.compute(), "memory_gib": device_memory_gib(device)}
+                    last = {
+                        "step": step,
+                        "loss": loss_value,
+                        "grad_norm": grad_value,
+                        "lr": lr,
+                        **throughput.compute(),
+                        "memory_gib": device_memory_gib(device),
+                    }
                     if args.distractor_weight > 0:
                         last["distractor_loss"] = aux_value
                     logger.log(step, {k: v for k, v in last.items() if k != "step"})
@@ -324,8 +365,10 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                     saved_step = step
                 if stop_votes:
                     checkpointer.wait()
-                    say(f"stopped at step {step} on request; "
-                        + ("checkpoint saved, rerun to resume" if ckpt_cfg.enable else "checkpointing is off"))
+                    say(
+                        f"stopped at step {step} on request; "
+                        + ("checkpoint saved, rerun to resume" if ckpt_cfg.enable else "checkpointing is off")
+                    )
                     return last
         checkpointer.wait()
         if ckpt_cfg.export_safetensors:

@@ -31,10 +31,27 @@ VARIANTS = {
 
 
 def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "atma_titan.train", "--config", args.config, "--training.steps", str(args.steps),
-           "--metrics.log_freq", "1", "--job.print_config", "false", "--job.dump_folder", str(folder),
-           *VARIANTS[name], *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "atma_titan.train",
+        "--config",
+        args.config,
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        "1",
+        "--job.print_config",
+        "false",
+        "--job.dump_folder",
+        str(folder),
+        *VARIANTS[name],
+        *extra,
+    ]
     start = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -46,10 +63,14 @@ def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r["step"] > args.warmup]
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
-    return {"variant": name, "tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
-            "mfu": statistics.median(mfu) if mfu else None,
-            "peak_memory_gib": max(r["memory_gib"] for r in rows), "final_loss": rows[-1]["loss"],
-            "wall_s": wall}
+    return {
+        "variant": name,
+        "tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "peak_memory_gib": max(r["memory_gib"] for r in rows),
+        "final_loss": rows[-1]["loss"],
+        "wall_s": wall,
+    }
 
 
 def main() -> None:
@@ -80,12 +101,15 @@ def main() -> None:
             continue
         ratio = r["tokens_per_second"] / base if base else float("nan")
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"{r['variant']:<20} {r['tokens_per_second']:>12,.0f} {ratio:>13.2f}x {mfu:>7} {r['peak_memory_gib']:>9.1f}")
+        print(
+            f"{r['variant']:<20} {r['tokens_per_second']:>12,.0f} {ratio:>13.2f}x {mfu:>7} {r['peak_memory_gib']:>9.1f}"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"train_speed-{args.tag}.json"
-    path.write_text(json.dumps({"config": args.config, "extra": extra, "nproc": args.nproc, "results": results},
-                               indent=2))
+    path.write_text(
+        json.dumps({"config": args.config, "extra": extra, "nproc": args.nproc, "results": results}, indent=2)
+    )
     print(f"\nwrote {path}")
 
 

@@ -9,9 +9,24 @@ import sys
 from pathlib import Path
 
 # A small, fast, fully deterministic fp32 job; each test adds its own overrides.
-TINY = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "32", "--training.batch_tokens", "256",
-        "--training.micro_batch_size", "2", "--metrics.log_freq", "1", "--job.print_config", "false",
-        "--job.deterministic", "true", "--training.device", "cpu"]
+TINY = [
+    "--config",
+    "train_configs/debug_model.toml",
+    "--training.seq_len",
+    "32",
+    "--training.batch_tokens",
+    "256",
+    "--training.micro_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--job.print_config",
+    "false",
+    "--job.deterministic",
+    "true",
+    "--training.device",
+    "cpu",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,8 +36,16 @@ def run_trainer(nproc: int, *args: str, timeout: int = 300) -> subprocess.Comple
     if nproc == 1:
         cmd = [sys.executable, "-m", "atma_titan.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "atma_titan.train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "atma_titan.train",
+            *args,
+        ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

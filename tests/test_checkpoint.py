@@ -51,7 +51,7 @@ class Job:
     def __init__(self, seed: int = 0):
         self.model = tiny_model(seed)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 0.9 ** s)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 0.9**s)
         self.train_state = {"step": 0, "tokens": 0}
 
     def step(self, seed: int) -> None:
@@ -64,8 +64,12 @@ class Job:
         self.train_state["tokens"] += 40
 
     def state(self) -> dict:
-        return {"model": model_state(self.model), "optimizer": optimizer_state(self.model, [self.opt]),
-                "lr_scheduler": self.sched, "train_state": self.train_state}
+        return {
+            "model": model_state(self.model),
+            "optimizer": optimizer_state(self.model, [self.opt]),
+            "lr_scheduler": self.sched,
+            "train_state": self.train_state,
+        }
 
     def params(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -188,8 +192,12 @@ def test_rank_state_round_trip_and_world_size_change(tmp_path):
     job = Job()
     random.seed(3)
     np.random.seed(3)
-    rank_state = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                  "numpy_rng": np.random.get_state(), "loader": {"windows": 17, "epoch": 2}}
+    rank_state = {
+        "torch_rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "loader": {"windows": 17, "epoch": 2},
+    }
     ckpt = CheckpointManager(tmp_path)
     ckpt.save(4, job.state(), rank_state)
     assert (tmp_path / "step-4" / "rank_state" / "rank-0.pt").is_file()
@@ -249,7 +257,8 @@ def test_compiled_and_wrapped_models_share_names_with_plain_ones(tmp_path):
 
     opt = torch.optim.AdamW(wrapped.parameters())
     CheckpointManager(tmp_path / "wrapped").save(
-        1, {"model": model_state(wrapped), "optimizer": optimizer_state(wrapped, opt)})
+        1, {"model": model_state(wrapped), "optimizer": optimizer_state(wrapped, opt)}
+    )
     plain = tiny_model(seed=4)
     load_model_only(plain, tmp_path / "wrapped")
     assert_same_tensors(plain.state_dict(), job.params())
@@ -274,6 +283,7 @@ def test_safetensors_export_and_load(tmp_path):
 
     half = export_safetensors(job.model, tmp_path / "bf16.safetensors", dtype=torch.bfloat16)
     from safetensors.torch import load_file
+
     assert all(t.dtype == torch.bfloat16 for t in load_file(str(half)).values())
 
     torch.manual_seed(0)
@@ -514,13 +524,26 @@ def free_port() -> int:
 
 def run_ranks(script: Path, *args: str, world_size: int = 2, timeout: float = 120) -> None:
     """Start `world_size` ranks of `script`; fail (never hang) if one fails or the job times out."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(world_size), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(world_size)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(world_size)
+    ]
     deadline = time.monotonic() + timeout
     outputs = []
     try:

@@ -22,8 +22,18 @@ def test_defaults_toml_then_cli(tmp_path):
 
 
 def test_cli_types_are_parsed(tmp_path):
-    cfg = load_config(["--job.dry_run", "true", "--optimizer.adam_betas", "0.9,0.99", "--model.gamma_max", "0.99",
-                       "--metrics.wandb_entity", "none"])
+    cfg = load_config(
+        [
+            "--job.dry_run",
+            "true",
+            "--optimizer.adam_betas",
+            "0.9,0.99",
+            "--model.gamma_max",
+            "0.99",
+            "--metrics.wandb_entity",
+            "none",
+        ]
+    )
     assert cfg.job.dry_run is True and cfg.optimizer.adam_betas == [0.9, 0.99]
     assert cfg.model.gamma_max == 0.99 and cfg.metrics.wandb_entity is None
 
@@ -75,8 +85,9 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 
 
 def test_bad_config_exits_nonzero_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "atma_titan.train", "--training.stpes", "3"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "atma_titan.train", "--training.stpes", "3"], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "Did you mean 'steps'" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -93,5 +104,5 @@ def test_readme_config_reference_is_current():
 
     readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
     start, end = README_MARKERS
-    section = readme[readme.index(start) + len(start):readme.index(end)]
+    section = readme[readme.index(start) + len(start) : readme.index(end)]
     assert section == reference_markdown(), "regenerate with: python -m atma_titan.config --update README.md"

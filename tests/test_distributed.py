@@ -22,12 +22,31 @@ def test_fsdp_on_two_ranks_matches_one_process(tmp_path):
 
 
 def test_sigterm_then_restart_resumes_exactly(tmp_path):
-    common = [*TINY, "--training.steps", "10", "--data.num_workers", "1", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "100"]
+    common = [
+        *TINY,
+        "--training.steps",
+        "10",
+        "--data.num_workers",
+        "1",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100",
+    ]
     ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "straight")))
     # SIGTERM reaches rank 1 alone during step 5: both ranks agree to stop after it and save.
-    stopped = ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split"), "--debug.signal_at_step", "5",
-                             "--debug.signal_rank", "1"))
+    stopped = ok(
+        run_trainer(
+            2,
+            *common,
+            "--job.dump_folder",
+            str(tmp_path / "split"),
+            "--debug.signal_at_step",
+            "5",
+            "--debug.signal_rank",
+            "1",
+        )
+    )
     assert "received SIGTERM" in stopped.stderr
     assert sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir()) == ["step-5"]
     assert not (tmp_path / "split" / "DONE").exists()
@@ -53,11 +72,33 @@ def test_every_option_on_trains(tmp_path):
     """AC + compile (fullgraph: a graph break in a block is an error) + FSDP2 + async checkpoints + workers."""
     for mode in ("selective", "full"):
         folder = tmp_path / mode
-        ok(run_trainer(2, *TINY, "--training.steps", "3", "--job.dump_folder", str(folder),
-                       "--activation_checkpoint.mode", mode, "--training.compile", "true",
-                       "--training.compile_backend", "aot_eager", "--checkpoint.enable", "true",
-                       "--checkpoint.interval", "2", "--checkpoint.async_save", "true", "--data.num_workers", "1",
-                       "--model.distractor_weight", "0.01", timeout=600))
+        ok(
+            run_trainer(
+                2,
+                *TINY,
+                "--training.steps",
+                "3",
+                "--job.dump_folder",
+                str(folder),
+                "--activation_checkpoint.mode",
+                mode,
+                "--training.compile",
+                "true",
+                "--training.compile_backend",
+                "aot_eager",
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.interval",
+                "2",
+                "--checkpoint.async_save",
+                "true",
+                "--data.num_workers",
+                "1",
+                "--model.distractor_weight",
+                "0.01",
+                timeout=600,
+            )
+        )
         assert list(losses(folder)) == [1, 2, 3]
         assert (folder / "checkpoints" / "step-3" / "COMPLETE").exists()
 
@@ -79,8 +120,18 @@ def test_nan_loss_aborts_with_last_checkpoint_intact(tmp_path):
     assert "loss is nan (grad norm nan) at step 3" in proc.stderr and "checkpoint (step 2) is intact" in proc.stderr
     assert [p.name for p in (tmp_path / "abort" / "checkpoints").iterdir()] == ["step-2"]
     assert (tmp_path / "abort" / "checkpoints" / "step-2" / "COMPLETE").exists()
-    proc = ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "skip"), "--debug.nan_at_step", "3",
-                          "--training.nan_policy", "skip"))
+    proc = ok(
+        run_trainer(
+            2,
+            *common,
+            "--job.dump_folder",
+            str(tmp_path / "skip"),
+            "--debug.nan_at_step",
+            "3",
+            "--training.nan_policy",
+            "skip",
+        )
+    )
     assert "skipping this update" in proc.stdout and list(losses(tmp_path / "skip")) == [1, 2, 3, 4]
 
 
@@ -99,12 +150,34 @@ def test_sigterm_to_torchrun_saves_and_a_restart_finishes(tmp_path):
 
     from distributed_utils import ROOT
 
-    args = [*TINY, "--training.steps", "400", "--checkpoint.enable", "true", "--checkpoint.interval", "1000",
-            "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "atma_titan.train", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args = [
+        *TINY,
+        "--training.steps",
+        "400",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "1000",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "atma_titan.train",
+            *args,
+        ],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -116,6 +189,82 @@ def test_sigterm_to_torchrun_saves_and_a_restart_finishes(tmp_path):
     assert len(saved) == 1 and not (tmp_path / "DONE").exists()
     step = int(saved[0].split("-")[1])
     assert 3 <= step < 400
-    done = ok(run_trainer(2, *TINY, "--training.steps", str(step + 2), "--checkpoint.enable", "true",
-                          "--job.dump_folder", str(tmp_path)))
+    done = ok(
+        run_trainer(
+            2,
+            *TINY,
+            "--training.steps",
+            str(step + 2),
+            "--checkpoint.enable",
+            "true",
+            "--job.dump_folder",
+            str(tmp_path),
+        )
+    )
     assert f"at step {step}" in done.stdout and (tmp_path / "DONE").exists()
+
+
+MUON_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from atma_titan.optim import Muon
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 20, bias=False), nn.Linear(20, 6, bias=False))
+
+def run(model, grads_seed):
+    opt = Muon(model.parameters(), lr=0.02, weight_decay=0.01, momentum=0.95)
+    gen = torch.Generator().manual_seed(grads_seed)
+    for _ in range(3):
+        for p in model.parameters():
+            g = torch.randn(p.shape, generator=gen)
+            if isinstance(p, DTensor):
+                g = torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = g
+        opt.step()
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+
+if sys.argv[1] == "sharded":
+    dist.init_process_group("gloo")
+    model = make()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    params = run(model, 1)
+    if dist.get_rank() == 0:
+        torch.save(params, sys.argv[2])
+    dist.destroy_process_group()
+else:
+    torch.save(run(make(), 1), sys.argv[2])
+"""
+
+
+def test_muon_on_fsdp_shards_equals_single_process_muon(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    script = tmp_path / "muon_check.py"
+    script.write_text(MUON_SCRIPT)
+    subprocess.run([sys.executable, str(script), "single", str(tmp_path / "single.pt")], check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            "sharded",
+            str(tmp_path / "sharded.pt"),
+        ],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    for a, b in zip(torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "sharded.pt")):
+        assert a.shape == b.shape and torch.equal(a, b)

@@ -15,8 +15,17 @@ from atma_titan.kernels.gated_delta.reference import (
 F64 = torch.float64
 
 
-def random_inputs(batch=2, seq_len=37, heads=3, key_dim=8, value_dim=6, dtype=F64, seed=0,
-                  with_initial_state=True, requires_grad=False):
+def random_inputs(
+    batch=2,
+    seq_len=37,
+    heads=3,
+    key_dim=8,
+    value_dim=6,
+    dtype=F64,
+    seed=0,
+    with_initial_state=True,
+    requires_grad=False,
+):
     """q, k, v, log_gamma, beta, initial_state as leaves (gates drawn as the model draws them)."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -32,15 +41,19 @@ def random_inputs(batch=2, seq_len=37, heads=3, key_dim=8, value_dim=6, dtype=F6
         "beta": torch.sigmoid(randn(batch, seq_len, heads)),
         "initial_state": randn(batch, heads, value_dim, key_dim) if with_initial_state else None,
     }
-    return {
-        name: None if x is None else x.to(dtype).requires_grad_(requires_grad)
-        for name, x in tensors.items()
-    }
+    return {name: None if x is None else x.to(dtype).requires_grad_(requires_grad) for name, x in tensors.items()}
 
 
 def run(fn, inputs, **kwargs):
-    return fn(inputs["q"], inputs["k"], inputs["v"], inputs["log_gamma"], inputs["beta"],
-              initial_state=inputs["initial_state"], **kwargs)
+    return fn(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["log_gamma"],
+        inputs["beta"],
+        initial_state=inputs["initial_state"],
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,8 +106,9 @@ def test_chunked_matches_recurrent_forward(seq_len, chunk_size, with_initial_sta
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["init", "zeros"])
 @pytest.mark.parametrize("seq_len,chunk_size", [(37, 16), (37, 1), (20, 64), (24, 8)])
 def test_chunked_matches_recurrent_gradients(seq_len, chunk_size, with_initial_state):
-    inputs = random_inputs(seq_len=seq_len, with_initial_state=with_initial_state,
-                           requires_grad=True, seed=100 + seq_len)
+    inputs = random_inputs(
+        seq_len=seq_len, with_initial_state=with_initial_state, requires_grad=True, seed=100 + seq_len
+    )
     leaves = {name: x for name, x in inputs.items() if x is not None}
     gen = torch.Generator().manual_seed(7)
     r_weight = torch.randn(2, seq_len, 3, 6, generator=gen, dtype=F64)
@@ -113,8 +127,7 @@ def test_chunked_matches_recurrent_gradients(seq_len, chunk_size, with_initial_s
 
 def test_chunked_passes_gradcheck():
     """Autograd through the triangular solve against finite differences (tiny shapes)."""
-    inputs = random_inputs(batch=1, seq_len=5, heads=1, key_dim=3, value_dim=2,
-                           requires_grad=True, seed=3)
+    inputs = random_inputs(batch=1, seq_len=5, heads=1, key_dim=3, value_dim=2, requires_grad=True, seed=3)
     args = [inputs[name] for name in ("q", "k", "v", "log_gamma", "beta", "initial_state")]
 
     def fn(q, k, v, log_gamma, beta, initial_state):

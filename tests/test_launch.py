@@ -22,8 +22,16 @@ pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
 
 def clean_env(**extra: str) -> dict:
     """os.environ without SLURM_* / launcher knobs, so a test run inside a real job is unaffected."""
-    knobs = {"HEAD_NODE", "MASTER_PORT", "GPUS_PER_NODE", "NGPU", "DRY_RUN", "MAX_RESTARTS",
-             "ATMA_TITAN_ROOT", "CUDA_VISIBLE_DEVICES"}
+    knobs = {
+        "HEAD_NODE",
+        "MASTER_PORT",
+        "GPUS_PER_NODE",
+        "NGPU",
+        "DRY_RUN",
+        "MAX_RESTARTS",
+        "ATMA_TITAN_ROOT",
+        "CUDA_VISIBLE_DEVICES",
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in knobs}
     env["PYTHON"] = sys.executable
     env.update(extra)
@@ -31,8 +39,7 @@ def clean_env(**extra: str) -> dict:
 
 
 def run(args: list, env: dict, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([BASH, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run([BASH, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
 def write_exe(path: Path, text: str) -> None:
@@ -42,8 +49,9 @@ def write_exe(path: Path, text: str) -> None:
 
 def source_and(call: str) -> str:
     """Source the sbatch script (which must not run main) and run one of its functions."""
-    proc = subprocess.run([BASH, "-c", f'source "$1" && {call}', "_", str(SBATCH)], capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(
+        [BASH, "-c", f'source "$1" && {call}', "_", str(SBATCH)], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     return proc.stdout.strip()
@@ -63,8 +71,7 @@ def test_shellcheck_if_available():
     assert proc.returncode == 0, proc.stdout
 
 
-SLURM_ENV = {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
-             "GPUS_PER_NODE": "8"}
+SLURM_ENV = {"SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "GPUS_PER_NODE": "8"}
 EXPECTED_SRUN = (
     "srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=2 --nproc_per_node=8 "
     "--rdzv_backend=c10d --rdzv_endpoint=gpu07:29500 --rdzv_id=123 --tee 3 --log_dir logs/123/restart-0 "
@@ -102,21 +109,32 @@ def test_slurm_dry_run_prints_exact_srun_command(tmp_path):
 
 
 def test_slurm_dry_run_default_config_and_knobs(tmp_path):
-    env = clean_env(DRY_RUN="1", PATH=no_scontrol_path(tmp_path), SLURM_JOB_ID="77", SLURM_NNODES="4",
-                    SLURM_JOB_NODELIST="a,b,c,d", SLURM_GPUS_ON_NODE="4", SLURM_RESTART_COUNT="2",
-                    MASTER_PORT="29999", PYTHON=stub_python(tmp_path))
+    env = clean_env(
+        DRY_RUN="1",
+        PATH=no_scontrol_path(tmp_path),
+        SLURM_JOB_ID="77",
+        SLURM_NNODES="4",
+        SLURM_JOB_NODELIST="a,b,c,d",
+        SLURM_GPUS_ON_NODE="4",
+        SLURM_RESTART_COUNT="2",
+        MASTER_PORT="29999",
+        PYTHON=stub_python(tmp_path),
+    )
     proc = run([SBATCH, "--training.steps", "10"], env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == (
         "srun --nodes=4 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun --nnodes=4 --nproc_per_node=4 "
         "--rdzv_backend=c10d --rdzv_endpoint=a:29999 --rdzv_id=77 --tee 3 --log_dir logs/77/restart-2 "
-        "-m atma_titan.train --config train_configs/atma_370m.toml --training.steps 10")
+        "-m atma_titan.train --config train_configs/atma_370m.toml --training.steps 10"
+    )
 
 
 def test_slurm_dry_run_head_node_from_scontrol_or_override(tmp_path):
     bin_dir = Path(no_scontrol_path(tmp_path))
-    write_exe(bin_dir / "scontrol", '#!/bin/bash\n[[ "$1 $2 $3" == "show hostnames gpu[07-08]" ]] '
-                                    "&& printf 'gpu07-ib\\ngpu08-ib\\n'\n")
+    write_exe(
+        bin_dir / "scontrol",
+        '#!/bin/bash\n[[ "$1 $2 $3" == "show hostnames gpu[07-08]" ]] && printf \'gpu07-ib\\ngpu08-ib\\n\'\n',
+    )
     env = clean_env(DRY_RUN="1", PATH=str(bin_dir), PYTHON=stub_python(tmp_path), **SLURM_ENV)
     out = run([SBATCH, "--training.steps", "10"], env).stdout
     assert "--rdzv_endpoint=gpu07-ib:29500" in out
@@ -144,48 +162,62 @@ def test_slurm_script_refuses_to_run_outside_slurm():
     assert "sbatch" in proc.stderr
 
 
-@pytest.mark.parametrize("nodelist, first", [
-    ("gpu[07-08]", "gpu07"), ("node[01-04]", "node01"), ("a,b", "a"), ("node7", "node7"),
-    ("gpu[3,5-6],cpu01", "gpu3"), ("rack[1-2]-n[01,04]", "rack1-n01"), ("x[009]", "x009"),
-])
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("gpu[07-08]", "gpu07"),
+        ("node[01-04]", "node01"),
+        ("a,b", "a"),
+        ("node7", "node7"),
+        ("gpu[3,5-6],cpu01", "gpu3"),
+        ("rack[1-2]-n[01,04]", "rack1-n01"),
+        ("x[009]", "x009"),
+    ],
+)
 def test_first_host_expands_simple_node_lists(nodelist, first):
     assert source_and(f"first_host '{nodelist}'") == first
 
 
 def test_local_dry_run_prints_torchrun_command():
-    proc = run([LOCAL, "train_configs/debug_model.toml", "--training.steps", "10"],
-               clean_env(DRY_RUN="1", NGPU="2"))
+    proc = run([LOCAL, "train_configs/debug_model.toml", "--training.steps", "10"], clean_env(DRY_RUN="1", NGPU="2"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == ("torchrun --standalone --nproc_per_node=2 -m atma_titan.train "
-                           "--config train_configs/debug_model.toml --training.steps 10\n")
+    assert proc.stdout == (
+        "torchrun --standalone --nproc_per_node=2 -m atma_titan.train "
+        "--config train_configs/debug_model.toml --training.steps 10\n"
+    )
 
 
 def test_local_dry_run_defaults(tmp_path):
     # No GPU visible: one process, and the default config.
     proc = run([LOCAL], clean_env(DRY_RUN="1", CUDA_VISIBLE_DEVICES=""))
-    assert proc.stdout == ("torchrun --standalone --nproc_per_node=1 -m atma_titan.train "
-                           "--config train_configs/atma_370m.toml\n")
+    assert proc.stdout == (
+        "torchrun --standalone --nproc_per_node=1 -m atma_titan.train --config train_configs/atma_370m.toml\n"
+    )
     proc = run([LOCAL, "--training.steps", "5"], clean_env(DRY_RUN="1", CUDA_VISIBLE_DEVICES="0,1,2"))
     assert "--nproc_per_node=3 " in proc.stdout and proc.stdout.rstrip().endswith("--training.steps 5")
 
 
 # ---- the requeue decision ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args, expected", [
-    ("1 0 none 0 3", "done"),       # DONE written: finished
-    ("1 1 requeue 5 3", "done"),    # DONE wins over everything
-    ("0 0 none 0 3", "requeue"),    # exit 0 without DONE: a graceful stop
-    ("0 1 requeue 3 3", "requeue"),  # stopped before the time limit (torchrun exits 1): no crash budget used
-    ("0 1 none 0 3", "requeue"),    # crash, restarts left
-    ("0 137 none 2 3", "requeue"),
-    ("0 1 none 3 3", "fail"),       # crash, no restarts left
-    ("0 1 none 0 0", "fail"),
-    ("0 1 halt 0 3", "halt"),       # USR2 / the job is being cancelled: never requeue
-    ("0 1 requeue 0 3 0", "halt"),  # checkpointing off: a requeue would start over, forever
-    ("0 0 none 0 3 0", "halt"),
-    ("0 1 none 0 3 0", "fail"),
-    ("0 1 none 0 3 1", "requeue"),
-])
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ("1 0 none 0 3", "done"),  # DONE written: finished
+        ("1 1 requeue 5 3", "done"),  # DONE wins over everything
+        ("0 0 none 0 3", "requeue"),  # exit 0 without DONE: a graceful stop
+        ("0 1 requeue 3 3", "requeue"),  # stopped before the time limit (torchrun exits 1): no crash budget used
+        ("0 1 none 0 3", "requeue"),  # crash, restarts left
+        ("0 137 none 2 3", "requeue"),
+        ("0 1 none 3 3", "fail"),  # crash, no restarts left
+        ("0 1 none 0 0", "fail"),
+        ("0 1 halt 0 3", "halt"),  # USR2 / the job is being cancelled: never requeue
+        ("0 1 requeue 0 3 0", "halt"),  # checkpointing off: a requeue would start over, forever
+        ("0 0 none 0 3 0", "halt"),
+        ("0 1 none 0 3 0", "fail"),
+        ("0 1 none 0 3 1", "requeue"),
+    ],
+)
 def test_decide_after_exit(args, expected):
     assert source_and(f"decide_after_exit {args}") == expected
 
@@ -225,14 +257,26 @@ echo "scontrol $*" >> "$FAKE/events"
 def fake_slurm(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in [("srun", FAKE_SRUN), ("torchrun", FAKE_TORCHRUN), ("squeue", FAKE_SQUEUE),
-                       ("scancel", FAKE_SCANCEL), ("scontrol", FAKE_SCONTROL)]:
+    for name, text in [
+        ("srun", FAKE_SRUN),
+        ("torchrun", FAKE_TORCHRUN),
+        ("squeue", FAKE_SQUEUE),
+        ("scancel", FAKE_SCANCEL),
+        ("scontrol", FAKE_SCONTROL),
+    ]:
         write_exe(bin_dir / name, text)
     dump = tmp_path / "run"
-    env = clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE=str(tmp_path), FAKE_DUMP=str(dump),
-                    PYTHON=stub_python(tmp_path, str(dump)),
-                    ATMA_TITAN_ROOT=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node[01-02]",
-                    SLURM_NNODES="2", GPUS_PER_NODE="8")
+    env = clean_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE=str(tmp_path),
+        FAKE_DUMP=str(dump),
+        PYTHON=stub_python(tmp_path, str(dump)),
+        ATMA_TITAN_ROOT=str(tmp_path),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="node[01-02]",
+        SLURM_NNODES="2",
+        GPUS_PER_NODE="8",
+    )
     args = [SBATCH, ROOT / "train_configs" / "debug_model.toml", "--job.dump_folder", dump]
     return tmp_path, env, args
 
@@ -270,8 +314,14 @@ def test_flow_crash_requeues_until_the_budget_is_spent(fake_slurm):
 
 
 def start_and_signal(args, env, tmp_path: Path, sig: int) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([BASH, *map(str, args)], env={**env, "FAKE_MODE": "wait"}, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [BASH, *map(str, args)],
+        env={**env, "FAKE_MODE": "wait"},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not (tmp_path / "task.pid").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -309,8 +359,14 @@ def test_flow_usr2_stops_without_requeue(fake_slurm):
 def test_flow_sigterm_to_the_batch_shell_never_requeues(fake_slurm):
     # scancel / time limit / preemption: SLURM signals the steps itself and decides about requeue.
     tmp_path, env, args = fake_slurm
-    proc = subprocess.Popen([BASH, *map(str, args)], env={**env, "FAKE_MODE": "wait"}, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [BASH, *map(str, args)],
+        env={**env, "FAKE_MODE": "wait"},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while not (tmp_path / "task.pid").exists():
         assert proc.poll() is None and time.monotonic() < deadline

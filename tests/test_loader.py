@@ -21,11 +21,13 @@ def test_labels_are_inputs_shifted_by_one():
 def test_ranks_split_each_global_batch_into_disjoint_slices():
     single = torch.cat([x for x, _ in take(build_dataloader(SOURCE, 8, 8, 2), 8)])  # 2 steps of 8
     for world in (2, 4):
-        per_rank = [torch.cat([x for x, _ in take(build_dataloader(SOURCE, 8, 8, 2, rank=r, world_size=world),
-                                                  8 // world)]) for r in range(world)]
+        per_rank = [
+            torch.cat([x for x, _ in take(build_dataloader(SOURCE, 8, 8, 2, rank=r, world_size=world), 8 // world)])
+            for r in range(world)
+        ]
         for step in range(2):  # each step's global batch is the rank slices, concatenated
-            rows = torch.cat([p[step * 8 // world:(step + 1) * 8 // world] for p in per_rank])
-            assert torch.equal(rows, single[step * 8:(step + 1) * 8])
+            rows = torch.cat([p[step * 8 // world : (step + 1) * 8 // world] for p in per_rank])
+            assert torch.equal(rows, single[step * 8 : (step + 1) * 8])
 
 
 def test_workers_do_not_change_the_batches():

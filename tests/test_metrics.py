@@ -49,9 +49,7 @@ def test_peak_flops_known_gpus(name, expected):
     assert peak_flops_for_name(name) == expected
 
 
-@pytest.mark.parametrize(
-    "name", ["Tesla T4", "Tesla V100-SXM2-16GB", "NVIDIA RTX A4000", "Mystery GPU"]
-)
+@pytest.mark.parametrize("name", ["Tesla T4", "Tesla V100-SXM2-16GB", "NVIDIA RTX A4000", "Mystery GPU"])
 def test_peak_flops_unknown_is_none(name):
     assert peak_flops_for_name(name) is None
 
@@ -147,8 +145,7 @@ def test_stdout_line_format(tmp_path, capsys):
         logger.log(12, {"loss": 4.9, "val_loss": 4.25})
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == (
-        "step   10 | loss 5.1234 | grad_norm 1.02 | lr 2.0e-02 | tok/s 12,345"
-        " | mfu 35.1% | mem 3.2 GiB"
+        "step   10 | loss 5.1234 | grad_norm 1.02 | lr 2.0e-02 | tok/s 12,345 | mfu 35.1% | mem 3.2 GiB"
     )
     assert "loss 5.0000" in lines[1] and "mfu unknown peak" in lines[1]
     assert "mfu unknown peak" in lines[2] and "val_loss 4.25" in lines[2]

@@ -80,7 +80,9 @@ def train_steps(model: ATMA, steps: int, T: int = 32, B: int = 2, **opt_override
 
 def test_every_conv_block_trains_in_and_out_proj():
     model = model_for()
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if "mixer.in_proj" in n or "mixer.out_proj" in n}
+    before = {
+        n: p.detach().clone() for n, p in model.named_parameters() if "mixer.in_proj" in n or "mixer.out_proj" in n
+    }
     assert len(before) == 2 * 3 * 2  # weight + bias of in/out proj in the 3 conv blocks
     train_steps(model, 3)
     after = dict(model.named_parameters())
@@ -134,8 +136,9 @@ def test_distractor_loss_is_reported_and_differentiable():
     assert model(torch.randint(0, 512, (2, 16)), return_aux=True)[1] is None
 
 
-@pytest.mark.parametrize("overrides", [[], ["--model.attention", "softmax", "--model.position", "rope"],
-                                       ["--model.window", "5"]])
+@pytest.mark.parametrize(
+    "overrides", [[], ["--model.attention", "softmax", "--model.position", "rope"], ["--model.window", "5"]]
+)
 def test_causal_future_tokens_do_not_change_the_past(overrides):
     model = model_for(*overrides)
     for p in model.parameters():  # give the zero-initialised outputs some weight

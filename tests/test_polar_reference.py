@@ -45,8 +45,10 @@ def make_inputs(b, tq, tk, h, hkv, d, *, dtype=torch.float64, seed=0, requires_g
 
 def random_cotangents(c, mag, seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(c.shape, generator=gen, dtype=torch.float64).to(c.dtype),
-            torch.randn(mag.shape, generator=gen, dtype=torch.float64).to(mag.dtype))
+    return (
+        torch.randn(c.shape, generator=gen, dtype=torch.float64).to(c.dtype),
+        torch.randn(mag.shape, generator=gen, dtype=torch.float64).to(mag.dtype),
+    )
 
 
 def grads_of(fn, inputs, g_c, g_mag, **kw):
@@ -99,8 +101,9 @@ def test_gradient_of_mag_alone_and_c_alone():
     """Each output's backward path on its own (the other cotangent is materialised as zeros)."""
     inputs = make_inputs(1, 10, 10, 2, 1, 4, seed=3)
     for pick in (0, 1):
-        expected = torch.autograd.grad(polar_attention_naive(*inputs)[pick].sum(), inputs,
-                                       allow_unused=True, materialize_grads=True)  # c ignores mag_beta
+        expected = torch.autograd.grad(
+            polar_attention_naive(*inputs)[pick].sum(), inputs, allow_unused=True, materialize_grads=True
+        )  # c ignores mag_beta
         actual = torch.autograd.grad(polar_attention(*inputs, block_q=4, block_k=3)[pick].sum(), inputs)
         assert_close_named(actual, expected, PARAM_NAMES, rtol=1e-9, atol=1e-11)
 
@@ -192,7 +195,8 @@ def test_dominant_null_stays_finite_in_float32():
 def test_gradcheck_tiny():
     inputs = make_inputs(1, 5, 6, 2, 1, 3, seed=8)
     assert torch.autograd.gradcheck(
-        lambda *x: polar_attention(*x, window=4, block_q=2, block_k=3), inputs, eps=1e-6, atol=1e-6)
+        lambda *x: polar_attention(*x, window=4, block_q=2, block_k=3), inputs, eps=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -209,8 +213,7 @@ def test_half_precision_close_to_float64(dtype):
     torch.testing.assert_close(mag.double(), mag_ref, **tol)
 
     g_c, g_mag = random_cotangents(c_ref, mag_ref)
-    actual = grads_of(polar_attention, inputs, g_c.to(dtype), g_mag.to(dtype), window=20,
-                      block_q=16, block_k=8)
+    actual = grads_of(polar_attention, inputs, g_c.to(dtype), g_mag.to(dtype), window=20, block_q=16, block_k=8)
     expected = grads_of(polar_attention_naive, rounded64, g_c, g_mag, window=20)
     for name, a, e in zip(PARAM_NAMES, actual, expected):
         assert a.dtype == dtype, name
@@ -221,13 +224,13 @@ def test_half_precision_close_to_float64(dtype):
 
 def test_polar_scalars_at_init():
     n = torch.tensor([1.0, 2048.0])
-    temp, null = polar_scalars(n[:, None], torch.full((3,), -1.0), torch.full((3,), 2.0),
-                               torch.full((3,), 0.5))
+    temp, null = polar_scalars(n[:, None], torch.full((3,), -1.0), torch.full((3,), 2.0), torch.full((3,), 0.5))
     assert temp.shape == null.shape == (2, 3)
     sp_alpha, sp_gamma = math.log1p(math.exp(-1.0)), math.log1p(math.exp(0.5))
     torch.testing.assert_close(temp[:, 0], torch.tensor([1.0, 1 + sp_alpha * math.log(2048.0)]))
-    torch.testing.assert_close(null[:, 0], torch.tensor(
-        [2 + sp_gamma * math.sqrt(math.log(2.0)), 2 + sp_gamma * math.sqrt(math.log(2049.0))]))
+    torch.testing.assert_close(
+        null[:, 0], torch.tensor([2 + sp_gamma * math.sqrt(math.log(2.0)), 2 + sp_gamma * math.sqrt(math.log(2049.0))])
+    )
     assert visible_key_counts(3, 5).tolist() == [3, 4, 5]
     assert visible_key_counts(4, 4, window=2).tolist() == [1, 2, 2, 2]
 

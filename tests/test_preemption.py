@@ -1,4 +1,3 @@
-import os
 import signal
 import subprocess
 import sys
@@ -22,13 +21,16 @@ def test_first_signal_requests_a_stop():
 
 
 def test_duplicate_signal_within_the_grace_period_is_ignored():
-    proc = run_child("os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05);"
-                     " print('alive')")
+    proc = run_child(
+        "os.kill(os.getpid(), signal.SIGTERM); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05); print('alive')"
+    )
     assert proc.returncode == 0 and "alive" in proc.stdout
 
 
 def test_second_signal_later_aborts_at_once():
-    proc = run_child("os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.3); os.kill(os.getpid(), signal.SIGTERM);"
-                     " time.sleep(5); print('alive')")
+    proc = run_child(
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.3); os.kill(os.getpid(), signal.SIGTERM);"
+        " time.sleep(5); print('alive')"
+    )
     assert proc.returncode == 128 + signal.SIGTERM and "alive" not in proc.stdout
     assert "aborting now" in proc.stderr

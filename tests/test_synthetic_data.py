@@ -91,9 +91,7 @@ def test_different_index_or_seed_gives_different_windows():
 
 def test_language_is_shared_across_seeds():
     # A different seed must be a held-out split of the same task, not a new language.
-    np.testing.assert_array_equal(
-        SyntheticSource(512, seed=0).rank_to_id, SyntheticSource(512, seed=99).rank_to_id
-    )
+    np.testing.assert_array_equal(SyntheticSource(512, seed=0).rank_to_id, SyntheticSource(512, seed=99).rank_to_id)
 
 
 def test_batch_and_combined_call_match_single_calls():

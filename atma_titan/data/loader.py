@@ -29,11 +29,21 @@ class RankBatches(IterableDataset):
     (`next_batch`) is per worker; the StatefulDataLoader gathers and restores it.
     """
 
-    def __init__(self, source: WindowSource, seq_len: int, global_batch: int, micro_batch: int, rank: int = 0,
-                 world_size: int = 1, start_window: int = 0):
+    def __init__(
+        self,
+        source: WindowSource,
+        seq_len: int,
+        global_batch: int,
+        micro_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_window: int = 0,
+    ):
         if global_batch % (world_size * micro_batch):
-            raise ValueError(f"a global batch of {global_batch} sequences does not split into micro-batches of "
-                             f"{micro_batch} on {world_size} ranks")
+            raise ValueError(
+                f"a global batch of {global_batch} sequences does not split into micro-batches of "
+                f"{micro_batch} on {world_size} ranks"
+            )
         self.source, self.seq_len, self.micro_batch = source, seq_len, micro_batch
         self.global_batch, self.per_rank = global_batch, global_batch // world_size
         self.rank, self.start_window = rank, start_window
@@ -46,7 +56,9 @@ class RankBatches(IterableDataset):
 
     def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         first = b * self.micro_batch
-        windows = [self.source.window(self.global_index(s), self.seq_len + 1) for s in range(first, first + self.micro_batch)]
+        windows = [
+            self.source.window(self.global_index(s), self.seq_len + 1) for s in range(first, first + self.micro_batch)
+        ]
         tokens = torch.from_numpy(np.stack(windows).astype(np.int64))
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -67,8 +79,18 @@ class RankBatches(IterableDataset):
         self.next_batch, self.start_window = state["next_batch"], state["start_window"]
 
 
-def build_dataloader(source: WindowSource, seq_len: int, global_batch: int, micro_batch: int, *, rank: int = 0,
-                     world_size: int = 1, start_window: int = 0, num_workers: int = 0, pin_memory: bool = False):
+def build_dataloader(
+    source: WindowSource,
+    seq_len: int,
+    global_batch: int,
+    micro_batch: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    start_window: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+):
     """A torchdata StatefulDataLoader over this rank's micro-batches; its state_dict() resumes it exactly."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -76,5 +98,6 @@ def build_dataloader(source: WindowSource, seq_len: int, global_batch: int, micr
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
     dataset = RankBatches(source, seq_len, global_batch, micro_batch, rank, world_size, start_window)
-    return StatefulDataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                              persistent_workers=num_workers > 0)
+    return StatefulDataLoader(
+        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0
+    )

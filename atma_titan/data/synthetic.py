@@ -70,8 +70,9 @@ def _zipf_cdf(num_ranks: int, exponent: float) -> np.ndarray:
     return cdf / cdf[-1]
 
 
-def _make_lexicon(rng: np.random.Generator, rank_to_id: np.ndarray, exponent: float,
-                  max_word_len: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def _make_lexicon(
+    rng: np.random.Generator, rank_to_id: np.ndarray, exponent: float, max_word_len: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
     """A fixed lexicon: (words, max_word_len) token matrix and each word's length (1..max_word_len).
 
     Word tokens are Zipf-distributed over the content ids, so frequent tokens recur across words
@@ -132,9 +133,7 @@ class SyntheticSource:
         if min_doc_len < 2:
             raise ValueError(f"min_doc_len must be >= 2 (EOT plus one token), got {min_doc_len}")
         if mean_doc_len < min_doc_len:
-            raise ValueError(
-                f"mean_doc_len ({mean_doc_len}) must be >= min_doc_len ({min_doc_len})"
-            )
+            raise ValueError(f"mean_doc_len ({mean_doc_len}) must be >= min_doc_len ({min_doc_len})")
         if zipf_exponent <= 0:
             raise ValueError(f"zipf_exponent must be > 0, got {zipf_exponent}")
         if key_len < 1 or value_len < 1:
@@ -152,9 +151,7 @@ class SyntheticSource:
         self.record_fraction = float(record_fraction)
 
         self.eot_id, self.mark_id = _choose_special_ids(self.vocab_size, eot_id)
-        self.content_ids = np.setdiff1d(
-            np.arange(self.vocab_size, dtype=np.int64), [self.eot_id, self.mark_id]
-        )
+        self.content_ids = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), [self.eot_id, self.mark_id])
         language_rng = np.random.Generator(np.random.Philox(key=_LANGUAGE_KEY))
         # rank_to_id[r] is the content id of the r-th most frequent lexicon token.
         self.rank_to_id = language_rng.permutation(self.content_ids)

@@ -99,8 +99,7 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 def parameter_breakdown(model: ATMA) -> dict[str, int]:
     """Parameter counts by component, in the terms ATMA.md uses to check fidelity."""
-    counts = {"embedding": 0, "lm_head": 0, "norms": 0, "mlp": 0, "conv_blocks": 0, "attention_blocks": 0,
-              "memory": 0}
+    counts = {"embedding": 0, "lm_head": 0, "norms": 0, "mlp": 0, "conv_blocks": 0, "attention_blocks": 0, "memory": 0}
     for name, p in model.named_parameters():
         n = p.numel()
         if name.startswith("embed."):

@@ -80,8 +80,17 @@ class GlobalAttention(nn.Module):
         aux = None
         if a.attention == "polar":
             c, mag = polar_attention(
-                q, k, v, self.len_gain, self.null_base, self.null_slope, self.mag_beta, self.v_null,
-                window=a.window, block_q=a.attention_block, block_k=a.attention_block,
+                q,
+                k,
+                v,
+                self.len_gain,
+                self.null_base,
+                self.null_slope,
+                self.mag_beta,
+                self.v_null,
+                window=a.window,
+                block_q=a.attention_block,
+                block_k=a.attention_block,
             )
             out = self.o_proj((c * torch.sigmoid(gate)).reshape(B, T, -1)) + self.mu_proj(mag.to(x.dtype))
             if a.distractor_weight > 0 and self.training:

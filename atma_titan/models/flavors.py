@@ -70,14 +70,30 @@ def parse_layer_pattern(pattern: str, n_layers: int) -> tuple[int, ...]:
 FLAVORS: dict[str, ModelArgs] = {
     # Tiny: trains on a laptop CPU in seconds. Block 2 is global (i % 4 == 2).
     "debug": ModelArgs(
-        vocab_size=512, d_model=128, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=64, mlp_hidden=512,
-        global_layers=parse_layer_pattern("i%4==2", 4), memory_chunk=32, attention_block=64,
+        vocab_size=512,
+        d_model=128,
+        n_layers=4,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=64,
+        mlp_hidden=512,
+        global_layers=parse_layer_pattern("i%4==2", 4),
+        memory_chunk=32,
+        attention_block=64,
     ),
     # The paper's 370M model (ATMA.md section 1): 378,220,864 parameters. Reference-kernel tiles
     # sized for a GPU at 2K (measured fastest on the H200 under compile; memory stays O(T x tile)).
     "atma_370m": ModelArgs(
-        vocab_size=50_304, d_model=1024, n_layers=16, n_heads=8, n_kv_heads=2, head_dim=128, mlp_hidden=4096,
-        global_layers=parse_layer_pattern("i%4==2", 16), attention_block=2048, memory_chunk=256,
+        vocab_size=50_304,
+        d_model=1024,
+        n_layers=16,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=128,
+        mlp_hidden=4096,
+        global_layers=parse_layer_pattern("i%4==2", 16),
+        attention_block=2048,
+        memory_chunk=256,
     ),
 }
 
@@ -126,5 +142,9 @@ def check_model_args(a: ModelArgs) -> None:
     need(a.memory_chunk >= 1, "memory_chunk", a.memory_chunk, "an integer >= 1")
     need(a.attention_block >= 1, "attention_block", a.attention_block, "an integer >= 1")
     need(not (a.position == "rope" and a.head_dim % 2), "head_dim", a.head_dim, "an even number with RoPE")
-    need(not (a.distractor_weight > 0 and a.attention != "polar"), "distractor_weight", a.distractor_weight,
-         "0 unless model.attention = polar (the loss scores keys against the Polar null)")
+    need(
+        not (a.distractor_weight > 0 and a.attention != "polar"),
+        "distractor_weight",
+        a.distractor_weight,
+        "0 unless model.attention = polar (the loss scores keys against the Polar null)",
+    )

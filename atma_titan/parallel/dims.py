@@ -54,12 +54,16 @@ def resolve_degrees(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[
         raise ValueError(f"'parallelism.dp_replicate' = {dp_replicate} is invalid; allowed: an integer >= 1")
     if dp_shard == -1:
         if world_size % dp_replicate:
-            raise ValueError(f"'parallelism.dp_replicate' = {dp_replicate} does not divide the world size "
-                             f"{world_size}; allowed: a divisor of the number of ranks")
+            raise ValueError(
+                f"'parallelism.dp_replicate' = {dp_replicate} does not divide the world size "
+                f"{world_size}; allowed: a divisor of the number of ranks"
+            )
         dp_shard = world_size // dp_replicate
     if dp_shard < 1 or dp_replicate * dp_shard != world_size:
-        raise ValueError(f"'parallelism.dp_replicate' x 'parallelism.dp_shard' = {dp_replicate} x {dp_shard} must "
-                         f"equal the world size {world_size}; set dp_shard = -1 to use every remaining rank")
+        raise ValueError(
+            f"'parallelism.dp_replicate' x 'parallelism.dp_shard' = {dp_replicate} x {dp_shard} must "
+            f"equal the world size {world_size}; set dp_shard = -1 to use every remaining rank"
+        )
     return dp_replicate, dp_shard
 
 

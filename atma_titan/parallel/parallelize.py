@@ -52,8 +52,9 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     model.head = torch.compile(model.head, fullgraph=True, backend=backend)
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None,
-               reshard_after_forward: bool = True) -> None:
+def apply_fsdp(
+    model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None, reshard_after_forward: bool = True
+) -> None:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard = dict(mesh=dims.dp_mesh, mp_policy=mp)
     fully_shard(model.embed, **shard, reshard_after_forward=reshard_after_forward)
@@ -64,9 +65,17 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype
     fully_shard(model, **shard, reshard_after_forward=reshard_after_forward)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, ac_mode: str = "none", ac_every_n: int = 1,
-                compile: bool = False, compile_backend: str = "inductor", param_dtype: torch.dtype | None = None,
-                reshard_after_forward: bool = True) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    ac_mode: str = "none",
+    ac_every_n: int = 1,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
     apply_activation_checkpointing(model, ac_mode, ac_every_n)
     if compile:
         apply_compile(model, compile_backend)

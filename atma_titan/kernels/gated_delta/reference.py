@@ -80,9 +80,7 @@ def gated_delta_recurrent(
 
     outputs = []
     for t in range(q.shape[2]):
-        r_t, state = gated_delta_step(
-            state, q[:, :, t], k[:, :, t], v[:, :, t], log_gamma[:, :, t], beta[:, :, t]
-        )
+        r_t, state = gated_delta_step(state, q[:, :, t], k[:, :, t], v[:, :, t], log_gamma[:, :, t], beta[:, :, t])
         outputs.append(r_t)
     r = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
     return _to_time_major(r).to(out_dtype), state

@@ -104,8 +104,12 @@ def _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
         raise ValueError(f"query heads {h} must be a multiple of KV heads {hkv}")
     if tq > tk:
         raise ValueError(f"Tq={tq} queries cannot exceed Tk={tk} keys")
-    for name, p in (("len_gain", len_gain), ("null_base", null_base), ("null_slope", null_slope),
-                    ("mag_beta", mag_beta)):
+    for name, p in (
+        ("len_gain", len_gain),
+        ("null_base", null_base),
+        ("null_slope", null_slope),
+        ("mag_beta", mag_beta),
+    ):
         if p.shape != (h,):
             raise ValueError(f"{name} must have shape ({h},), got {tuple(p.shape)}")
     if v_null.shape != (h, d):
@@ -136,8 +140,9 @@ def polar_attention_naive(q, k, v, len_gain, null_base, null_slope, mag_beta, v_
     scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
 
     n = visible_key_counts(tq, tk, window, q.device).to(cd)
-    temp, null = polar_scalars(n, len_gain.to(cd)[:, None], null_base.to(cd)[:, None],
-                               null_slope.to(cd)[:, None])  # (H, Tq)
+    temp, null = polar_scalars(
+        n, len_gain.to(cd)[:, None], null_base.to(cd)[:, None], null_slope.to(cd)[:, None]
+    )  # (H, Tq)
     visible = visibility_mask(query_positions(tq, tk, q.device), torch.arange(tk, device=q.device), window)
     # temp multiplies finite scores; the mask comes after (-inf * temp has NaN gradients).
     key_logits = (temp[..., None] * scores).masked_fill(~visible, float("-inf"))
@@ -289,13 +294,15 @@ def _forward_key_sweep(layout: _Layout, q_tile, kh, vh, temp_tile, q_lo, q_hi, b
     return m, l, q2, acc
 
 
-def _polar_forward(layout: _Layout, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null,
-                   block_q, block_k):
+def _polar_forward(layout: _Layout, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, block_q, block_k):
     cd, hkv = layout.cd, layout.hkv
     qh, kh, vh = _query_heads(q, hkv), _kv_heads(k), _kv_heads(v)
-    temp, null = polar_scalars(layout.n, _per_head(len_gain, hkv, cd)[..., None],
-                               _per_head(null_base, hkv, cd)[..., None],
-                               _per_head(null_slope, hkv, cd)[..., None])  # (Hkv, G, Tq)
+    temp, null = polar_scalars(
+        layout.n,
+        _per_head(len_gain, hkv, cd)[..., None],
+        _per_head(null_base, hkv, cd)[..., None],
+        _per_head(null_slope, hkv, cd)[..., None],
+    )  # (Hkv, G, Tq)
     null_logit = temp * null
     mag_slope = F.softplus(_per_head(mag_beta, hkv, cd))[..., None]
     v_null_h = _per_head(v_null, hkv, cd)[:, :, None, :]  # (Hkv, G, 1, D)
@@ -306,8 +313,7 @@ def _polar_forward(layout: _Layout, q, k, v, len_gain, null_base, null_slope, ma
     c = q.new_empty(*stats_shape, layout.d, dtype=cd)
     for q_lo, q_hi in _query_blocks(layout.tq, block_q):
         q_tile = layout.q_tile(qh, q_lo, q_hi)
-        m_b, l_b, q2_b, acc = _forward_key_sweep(layout, q_tile, kh, vh, temp[..., q_lo:q_hi],
-                                                 q_lo, q_hi, block_k)
+        m_b, l_b, q2_b, acc = _forward_key_sweep(layout, q_tile, kh, vh, temp[..., q_lo:q_hi], q_lo, q_hi, block_k)
         # fold in the null entry once, after the last key tile
         out = _Readout(m_b, l_b, q2_b, null_logit[..., q_lo:q_hi], mag_slope)
         s_vec = out.keep[..., None] * acc / l_b[..., None] + out.w_null[..., None] * v_null_h
@@ -343,8 +349,7 @@ class _Preamble:
         self.da_null = out.w_null * ((self.g_s * v_null_h).sum(-1) - self.delta - self.g_me * out.m_eff)
 
 
-def _backward_key_sweep(layout: _Layout, q_tile, kh, vh, temp_tile, lse_tile, pre_tile, q_lo, q_hi,
-                        block_k, dk, dv):
+def _backward_key_sweep(layout: _Layout, q_tile, kh, vh, temp_tile, lse_tile, pre_tile, q_lo, q_hi, block_k, dk, dv):
     """Recompute the key tiles of one query tile; returns dq_tile and sum_j da_j s_j, adds dk, dv."""
     g_acc, dp_const, g_q2 = pre_tile
     g_acc_flat = layout.flat(g_acc)
@@ -388,8 +393,19 @@ def _polar_backward(layout: _Layout, saved, g_c, g_mag, block_q, block_k):
         sl = slice(q_lo, q_hi)
         pre_tile = (pre.g_acc[..., sl, :], pre.dp_const[..., sl], pre.g_q2[..., sl])
         dq_tile, da_dot_s[..., sl] = _backward_key_sweep(
-            layout, layout.q_tile(qh, q_lo, q_hi), kh, vh, temp[..., sl], out.lse_keys[..., sl],
-            pre_tile, q_lo, q_hi, block_k, dk, dv)
+            layout,
+            layout.q_tile(qh, q_lo, q_hi),
+            kh,
+            vh,
+            temp[..., sl],
+            out.lse_keys[..., sl],
+            pre_tile,
+            q_lo,
+            q_hi,
+            block_k,
+            dk,
+            dv,
+        )
         dq[..., sl, :] = layout.rows(dq_tile, q_hi - q_lo)
 
     # per-head scalars: a_j = temp s_j and a_N = temp null
@@ -397,13 +413,21 @@ def _polar_backward(layout: _Layout, saved, g_c, g_mag, block_q, block_k):
     d_null = pre.da_null * temp
     d_len_gain = _sum_to_head(d_temp * torch.log(layout.n)) * torch.sigmoid(alpha[..., 0]).flatten()
     d_null_base = _sum_to_head(d_null)
-    d_null_slope = (_sum_to_head(d_null * torch.sqrt(torch.log1p(layout.n)))
-                    * torch.sigmoid(gamma[..., 0]).flatten())
-    d_mag_beta = (_sum_to_head(g_mag * (1 - out.mag * out.mag) * torch.log1p(out.m_eff))
-                  * torch.sigmoid(beta[..., 0]).flatten())
+    d_null_slope = _sum_to_head(d_null * torch.sqrt(torch.log1p(layout.n))) * torch.sigmoid(gamma[..., 0]).flatten()
+    d_mag_beta = (
+        _sum_to_head(g_mag * (1 - out.mag * out.mag) * torch.log1p(out.m_eff)) * torch.sigmoid(beta[..., 0]).flatten()
+    )
     d_v_null = _sum_to_head(out.w_null[..., None] * pre.g_s)
-    return (_merge_query_heads(dq), dk.transpose(1, 2), dv.transpose(1, 2),
-            d_len_gain, d_null_base, d_null_slope, d_mag_beta, d_v_null)
+    return (
+        _merge_query_heads(dq),
+        dk.transpose(1, 2),
+        dv.transpose(1, 2),
+        d_len_gain,
+        d_null_base,
+        d_null_slope,
+        d_mag_beta,
+        d_v_null,
+    )
 
 
 class PolarAttentionFunction(torch.autograd.Function):
@@ -412,8 +436,9 @@ class PolarAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, block_q, block_k):
         layout = _Layout(q, k, window, compute_dtype(q.dtype))
-        c, mag, stats = _polar_forward(layout, q, k, v, len_gain, null_base, null_slope, mag_beta,
-                                       v_null, block_q, block_k)
+        c, mag, stats = _polar_forward(
+            layout, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, block_q, block_k
+        )
         c_out = _merge_query_heads(c).to(q.dtype)
         mag_out = _merge_query_heads(mag).to(q.dtype)
         # c is kept in the output dtype, as a kernel would; mag is recomputed from (l, q2) in backward
@@ -428,13 +453,11 @@ class PolarAttentionFunction(torch.autograd.Function):
         layout = _Layout(q, k, ctx.window, compute_dtype(q.dtype))
         grads = _polar_backward(layout, saved, g_c, g_mag, ctx.block_q, ctx.block_k)
         inputs = saved[:8]
-        grads = tuple(g.to(x.dtype) if need else None
-                      for g, x, need in zip(grads, inputs, ctx.needs_input_grad[:8]))
+        grads = tuple(g.to(x.dtype) if need else None for g, x, need in zip(grads, inputs, ctx.needs_input_grad[:8]))
         return (*grads, None, None, None)
 
 
-def polar_attention(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0,
-                    block_q=128, block_k=128):
+def polar_attention(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, block_q=128, block_k=128):
     """Streaming Polar attention in O(T * block) memory; see the module docstring.
 
     q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk (queries are the last Tq positions);
@@ -444,5 +467,6 @@ def polar_attention(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, 
     _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     if block_q <= 0 or block_k <= 0:
         raise ValueError("block sizes must be positive")
-    return PolarAttentionFunction.apply(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null,
-                                        window, block_q, block_k)
+    return PolarAttentionFunction.apply(
+        q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, block_q, block_k
+    )
