@@ -132,8 +132,14 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    source: str = opt("synthetic", "Token source.", ("synthetic",))
-    tokenizer: str = opt("byte", "Tokenizer for text sources and evaluation prompts.")
+    source: str = opt("synthetic", "Token source: built-in synthetic, llm.c .bin shards, text files, or a HF dataset.",
+                      ("synthetic", "bin", "text", "hf"))
+    path: str = opt("", "bin: glob or URL of train shards; text: glob of .txt/.jsonl/.parquet files; hf: hub id.")
+    val_path: str = opt("", "Validation data, same kind as `path` (bin: the validation shard).")
+    hf_config: str = opt("", "hf: dataset config name (e.g. sample-10BT).")
+    hf_split: str = opt("train", "hf: split to stream.")
+    text_field: str = opt("text", "jsonl / parquet / hf: the field that holds the document text.")
+    tokenizer: str = opt("byte", "byte, gpt2 (tiktoken), or a tokenizer.json path / Hugging Face hub id.")
     seed: int = opt(1234, "Seed of the synthetic source.")
     num_workers: int = opt(0, "Data-loader worker processes per rank.")
 
