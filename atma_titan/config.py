@@ -132,8 +132,11 @@ class LRScheduler:
 
 @dataclass
 class Data:
-    source: str = opt("synthetic", "Token source: built-in synthetic, llm.c .bin shards, text files, or a HF dataset.",
-                      ("synthetic", "bin", "text", "hf"))
+    source: str = opt(
+        "synthetic",
+        "Token source: built-in synthetic, llm.c .bin shards, text files, or a HF dataset.",
+        ("synthetic", "bin", "text", "hf"),
+    )
     path: str = opt("", "bin: glob or URL of train shards; text: glob of .txt/.jsonl/.parquet files; hf: hub id.")
     val_path: str = opt("", "Validation data, same kind as `path` (bin: the validation shard).")
     hf_config: str = opt("", "hf: dataset config name (e.g. sample-10BT).")

@@ -26,8 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from atma_titan.checkpoint import CheckpointManager, export_safetensors, load_model_only, model_state, optimizer_state
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
-from atma_titan.data import build_source
-from atma_titan.data.loader import build_dataloader
+from atma_titan.data import TrainData
+from atma_titan.data.documents import DataSourceError
+from atma_titan.data.shards import ShardError
+from atma_titan.data.tokenizer import TokenizerError
 from atma_titan.metrics import MetricsLogger, Throughput, device_memory_gib, flops_per_token, peak_flops
 from atma_titan.models import ATMA, parameter_breakdown, resolve_model_args
 from atma_titan.models.atma import non_embedding_params
@@ -198,6 +200,10 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
         if cfg.job.print_config:
             print(cfg.to_toml())
 
+    try:  # open and check the data first: a missing file should not cost a model build
+        data = TrainData(cfg.data, resolve_model_args(cfg.model).vocab_size)
+    except ValueError as e:  # the message names the file, key or value and what is allowed
+        raise ConfigError(str(e)) from None
     model = build_model(cfg, device, dims)
     args = model.args
     if main_rank:
@@ -233,23 +239,26 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
             rank_state = checkpointer.load(job_state, path=ckpt_cfg.load_path)
         say(f"loaded {'model weights' if ckpt_cfg.model_only else 'checkpoint'} from {ckpt_cfg.load_path}")
 
-    source = build_source(cfg.data, args.vocab_size)
-    loader = build_dataloader(
-        source,
-        cfg.training.seq_len,
-        global_batch,
-        cfg.training.micro_batch_size,
+    loader = data.loader(
+        seq_len=cfg.training.seq_len,
+        global_batch=global_batch,
+        micro_batch=cfg.training.micro_batch_size,
         rank=dims.dp_rank,
         world_size=dims.dp_degree,
         start_window=train_state.windows_consumed,
-        num_workers=cfg.data.num_workers,
         pin_memory=device.type == "cuda",
     )
-    # Same world size and workers: restore this rank's loader and RNGs exactly. Otherwise the loader
-    # was rebuilt from the global stream position above, which is the same stream at any world size.
+    # Same world size and workers: restore this rank's loader and RNGs exactly. Otherwise a random-access
+    # loader was rebuilt from the global stream position above, the same stream at any world size.
     if rank_state is not None and rank_state.get("num_workers") == cfg.data.num_workers:
         loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"], device)
+    elif train_state.step and not data.random_access:
+        say(
+            f"warning: data.source = '{cfg.data.source}' streams documents per rank and worker; its position cannot "
+            "move to a new world size or worker count, so the stream restarts from its beginning. Use .bin shards "
+            "(python -m atma_titan.data.prepare) for exact resumption at any size."
+        )
     batches = iter(loader)
 
     tokens_per_step = global_batch * cfg.training.seq_len
@@ -388,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         train(load_config(argv))
-    except ConfigError as e:
+    except (ConfigError, ShardError, DataSourceError, TokenizerError) as e:  # bad input: the message says what
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLoss as e:

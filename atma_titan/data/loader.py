@@ -79,6 +79,17 @@ class RankBatches(IterableDataset):
         self.next_batch, self.start_window = state["next_batch"], state["start_window"]
 
 
+def stateful_loader(dataset: IterableDataset, num_workers: int = 0, pin_memory: bool = False):
+    """A torchdata StatefulDataLoader over a dataset that yields whole micro-batches."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    # torchdata 0.11 calls torch.set_vital, deprecated since torch 2.12: harmless, but noisy in every run.
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+    return StatefulDataLoader(
+        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0
+    )
+
+
 def build_dataloader(
     source: WindowSource,
     seq_len: int,
@@ -91,13 +102,6 @@ def build_dataloader(
     num_workers: int = 0,
     pin_memory: bool = False,
 ):
-    """A torchdata StatefulDataLoader over this rank's micro-batches; its state_dict() resumes it exactly."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    # torchdata 0.11 calls torch.set_vital, deprecated since torch 2.12: harmless, but noisy in every run.
-    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-
+    """This rank's micro-batches of a random-access source; its state_dict() resumes it exactly."""
     dataset = RankBatches(source, seq_len, global_batch, micro_batch, rank, world_size, start_window)
-    return StatefulDataLoader(
-        dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0
-    )
+    return stateful_loader(dataset, num_workers, pin_memory)

@@ -1,27 +1,51 @@
-"""Tokenizers: a minimal protocol, a dependency-free byte tokenizer, and a registry.
+"""Tokenizers: a minimal protocol, a dependency-free byte tokenizer, GPT-2 and Hugging Face ones.
 
 Everything in atma_titan that needs a tokenizer depends only on the ``Tokenizer``
-protocol (``name``, ``vocab_size``, ``eot_id``, ``encode``, ``decode``), so a new
-tokenizer is added by writing a factory and registering it in ``_FACTORIES``:
+protocol (``name``, ``vocab_size``, ``eot_id``, ``encode``, ``decode``); ``encode_batch``
+(a method on the built-in tokenizers, and a module function that falls back to a loop
+for any other tokenizer) encodes many documents at once where the backend is faster so.
 
-    def _gpt2() -> Tokenizer: ...
-    _FACTORIES["gpt2"] = _gpt2
+``build_tokenizer(name)`` is the single entry point used by configs:
 
-``build_tokenizer(name)`` is the single entry point used by configs.
+* ``"byte"``: UTF-8 bytes, vocab 257, EOT 256 (no files, no download);
+* ``"gpt2"``: GPT-2 BPE through tiktoken, vocab 50257, EOT 50256. tiktoken downloads its
+  two BPE files on first use and caches them; offline, point ``TIKTOKEN_CACHE_DIR`` at a
+  copy of that cache (see ``TokenizerError``'s message);
+* a path to a Hugging Face ``tokenizer.json`` (any name ending in ``.json``, or a
+  directory holding ``tokenizer.json``);
+* ``"hf:<org/name>"``: the ``tokenizer.json`` of a Hugging Face hub repository.
+
+Text is always encoded as text: a document containing the characters ``<|endoftext|>``
+(or any other special token) is tokenised like any other string and never yields the
+EOT id, so EOT marks document boundaries only. No BOS/EOS is added by ``encode``; the
+packer puts one EOT before each document. A new named tokenizer is a zero-argument
+factory registered in ``_FACTORIES``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
 __all__ = [
     "Tokenizer",
+    "TokenizerError",
     "ByteTokenizer",
+    "GPT2Tokenizer",
+    "HFTokenizer",
+    "EOT_CANDIDATES",
     "build_tokenizer",
     "available_tokenizers",
+    "encode_batch",
+    "load_hf_tokenizer_file",
+    "load_hf_hub_tokenizer",
 ]
 
 _REPLACEMENT_UTF8 = "\ufffd".encode("utf-8")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer could not be built: unknown name, missing file, or a download that failed."""
 
 
 @runtime_checkable
@@ -66,6 +90,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         buffer = bytearray()
         for token in _as_int_list(ids):
@@ -81,24 +108,214 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=257, eot_id=256)"
 
 
-# name -> zero-argument factory. Adding a tokenizer is one factory plus one entry here.
+# ---------------------------------------------------------------------------- GPT-2 (tiktoken)
+
+_GPT2_URLS = (
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+)
+
+
+def _gpt2_offline_help(error: BaseException) -> str:
+    return (
+        f"tokenizer 'gpt2': the GPT-2 BPE files could not be downloaded by tiktoken ({type(error).__name__}: {error}). "
+        "To work offline, run `python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` on a machine "
+        "with internet, copy its tiktoken cache folder (TIKTOKEN_CACHE_DIR, or by default "
+        "<tmp>/data-gym-cache; it holds the two files it fetches, "
+        f"{_GPT2_URLS[0]} and {_GPT2_URLS[1]}, each saved under the SHA-1 hex digest of its URL) "
+        "here and set TIKTOKEN_CACHE_DIR to that folder; or use a local Hugging Face tokenizer "
+        "file instead (data.tokenizer = 'path/to/tokenizer.json')"
+    )
+
+
+def _load_gpt2_encoding():
+    try:
+        import tiktoken
+    except ImportError as exc:
+        raise TokenizerError("tokenizer 'gpt2' needs tiktoken: pip install tiktoken") from exc
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as exc:  # requests' ConnectionError, a hash mismatch, an unwritable cache, ...
+        raise TokenizerError(_gpt2_offline_help(exc)) from exc
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE (tiktoken's ``gpt2`` encoding): vocab_size 50257, eot_id 50256 (``<|endoftext|>``).
+
+    ``encode`` treats special-token text as ordinary text (``disallowed_special=()``), so a
+    document quoting ``<|endoftext|>`` cannot inject a document boundary. ``decode`` never
+    raises: EOT is dropped and ids outside the vocabulary become U+FFFD.
+    """
+
+    name: str = "gpt2"
+    vocab_size: int = 50257
+    eot_id: int = 50256
+
+    def __init__(self, encoding=None):
+        self._encoding = encoding if encoding is not None else _load_gpt2_encoding()
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode(text, disallowed_special=())
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        # Ordinary = special-token text is text, as in encode(); the batch runs in tiktoken's threads.
+        return self._encoding.encode_ordinary_batch(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        pieces = []
+        for token in _as_int_list(ids):
+            if 0 <= token < self.eot_id:
+                pieces.append(self._encoding.decode_single_token_bytes(token))
+            elif token != self.eot_id:
+                pieces.append(_REPLACEMENT_UTF8)
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "GPT2Tokenizer(vocab_size=50257, eot_id=50256)"
+
+
+# ---------------------------------------------------------------------------- Hugging Face tokenizers
+
+# Tried in this order when no eot_token is given: GPT-2/Qwen style, Llama-2/T5 style, Gemma, Llama-3.
+EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers.Tokenizer`` behind the framework's protocol.
+
+    ``eot_id`` is the id of ``eot_token`` or, when that is None, of the first of
+    ``EOT_CANDIDATES`` the vocabulary holds. ``vocab_size`` counts added tokens too.
+    ``encode`` adds no special tokens (no BOS/EOS from the post-processor) and encodes
+    special-token text as text.
+    """
+
+    def __init__(self, tokenizer, name: str, eot_token: str | None = None):
+        self._tokenizer = tokenizer
+        # Text is text: "</s>" inside a document must not become the EOT id.
+        tokenizer.encode_special_tokens = True
+        self.name = name
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eot_token, self.eot_id = _find_eot(tokenizer, name, eot_token)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        # One call: the Rust side encodes the batch in parallel.
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode(_as_int_list(ids), skip_special_tokens=True)
+
+    def __setstate__(self, state: dict) -> None:
+        # Pickling (e.g. to data-loader workers) drops encode_special_tokens: set it again.
+        self.__dict__.update(state)
+        self._tokenizer.encode_special_tokens = True
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id} {self.eot_token!r})"
+
+
+def _find_eot(tokenizer, name: str, eot_token: str | None) -> tuple[str, int]:
+    tried = (eot_token,) if eot_token is not None else EOT_CANDIDATES
+    for token in tried:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token, token_id
+    raise TokenizerError(
+        f"tokenizer {name!r} has no end-of-text token: tried {', '.join(repr(t) for t in tried)}; "
+        "pass the right one as eot_token"
+    )
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError as exc:
+        raise TokenizerError("Hugging Face tokenizers need the tokenizers package: pip install tokenizers") from exc
+    return tokenizers
+
+
+def _tokenizer_json_path(name: str) -> str:
+    """The tokenizer.json that a path-like name points at (the file, or the one inside a directory)."""
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise TokenizerError(f"tokenizer file not found: {path}")
+    return path
+
+
+def load_hf_tokenizer_file(name: str, eot_token: str | None = None) -> HFTokenizer:
+    """An ``HFTokenizer`` from a local ``tokenizer.json`` (or a directory holding one)."""
+    path = _tokenizer_json_path(name)
+    tokenizers = _import_tokenizers()
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(path)
+    except Exception as exc:  # the Rust side raises a bare Exception on a malformed file
+        raise TokenizerError(f"{path} is not a valid Hugging Face tokenizer.json: {exc}") from exc
+    return HFTokenizer(tokenizer, name, eot_token)
+
+
+def load_hf_hub_tokenizer(repo_id: str, eot_token: str | None = None) -> HFTokenizer:
+    """An ``HFTokenizer`` from the ``tokenizer.json`` of hub repository ``repo_id`` (cached by huggingface_hub)."""
+    tokenizers = _import_tokenizers()
+    try:
+        tokenizer = tokenizers.Tokenizer.from_pretrained(repo_id)
+    except Exception as exc:  # offline, unknown repository, gated repository, no tokenizer.json
+        raise TokenizerError(
+            f"could not load tokenizer.json of {repo_id!r} from the Hugging Face hub "
+            f"({type(exc).__name__}: {exc}). To work offline, on a machine with internet run "
+            f"`huggingface-cli download {repo_id} tokenizer.json --local-dir DIR`, copy DIR here and "
+            "set data.tokenizer = 'DIR/tokenizer.json'"
+        ) from exc
+    return HFTokenizer(tokenizer, f"hf:{repo_id}", eot_token)
+
+
+# ---------------------------------------------------------------------------- registry
+
+# name -> zero-argument factory. Adding a named tokenizer is one factory plus one entry here.
 _FACTORIES: dict[str, Callable[[], Tokenizer]] = {
     "byte": ByteTokenizer,
+    "gpt2": GPT2Tokenizer,
 }
+
+_HUB_PREFIX = "hf:"
 
 
 def available_tokenizers() -> list[str]:
-    """Names accepted by ``build_tokenizer``, sorted."""
+    """Names accepted by ``build_tokenizer`` besides paths and ``hf:`` hub ids, sorted."""
     return sorted(_FACTORIES)
 
 
-def build_tokenizer(name: str) -> Tokenizer:
-    """Construct the tokenizer registered under ``name``.
+def _is_path_like(name: str) -> bool:
+    return name.endswith(".json") or os.sep in name or "/" in name or name.startswith((".", "~")) or os.path.isdir(name)
 
-    Raises ``ValueError`` naming the unknown value and the allowed names.
+
+def build_tokenizer(name: str, *, eot_token: str | None = None) -> Tokenizer:
+    """The tokenizer that ``name`` names: a registered name, a tokenizer.json path, or ``hf:<org/name>``.
+
+    ``eot_token`` picks the end-of-text token of a Hugging Face tokenizer (default: the first
+    of ``EOT_CANDIDATES`` it has). Raises ``TokenizerError`` (a ``ValueError``) naming the
+    problem: an unknown name (listing what is allowed), a missing file, a failed download.
     """
     factory = _FACTORIES.get(name)
-    if factory is None:
-        allowed = ", ".join(repr(n) for n in available_tokenizers())
-        raise ValueError(f"unknown tokenizer {name!r}; allowed: {allowed}")
-    return factory()
+    if factory is not None:
+        return factory()
+    if name.startswith(_HUB_PREFIX) and len(name) > len(_HUB_PREFIX):
+        return load_hf_hub_tokenizer(name[len(_HUB_PREFIX) :], eot_token)
+    if _is_path_like(name):
+        return load_hf_tokenizer_file(name, eot_token)
+    allowed = ", ".join(repr(n) for n in available_tokenizers())
+    raise TokenizerError(
+        f"unknown tokenizer {name!r}; allowed: {allowed}, a path to a tokenizer.json (or a directory "
+        "holding one), or 'hf:<org/name>' for a Hugging Face hub tokenizer"
+    )
+
+
+def encode_batch(tokenizer: Tokenizer, texts: Iterable[str]) -> list[list[int]]:
+    """Encode many texts: the tokenizer's own ``encode_batch`` where it has one, else one by one."""
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is not None:
+        return batch(texts)
+    return [tokenizer.encode(text) for text in texts]

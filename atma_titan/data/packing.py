@@ -1,0 +1,247 @@
+"""Packing tokenised documents into training windows, and the streaming per-rank batch dataset.
+
+Layout (llm.c convention, the same as the .bin shard source): documents are joined into one
+token stream with the EOT id *before* each document, and window ``k`` of length ``L``
+(``seq_len + 1``) covers stream tokens ``k*(L-1) .. k*(L-1) + L-1``, so consecutive windows
+share one boundary token and every token after the first is a label exactly once::
+
+    stream   EOT a a a EOT b b b b b EOT c c ...
+    k = 0    EOT a a a EOT                        (L = 5)
+    k = 1                EOT b b b b
+    k = 2                        b b EOT c c
+
+``doc_start_mask`` is True at the positions holding a document's leading EOT (for
+document masking later). The tokens after the last full window are the *carry*: they
+start the next window when more documents arrive (or after a restore).
+
+``PackedBatches`` streams one rank's micro-batches ``(inputs, labels)``, each ``(b, seq_len)``
+int64 with ``labels`` = ``inputs`` shifted by one, like ``loader.RankBatches``. Documents are
+split by *part*: part = rank * num_workers + worker of num_parts = world_size * num_workers,
+so every rank and loader worker packs its own disjoint documents; the loader takes workers
+in turn. State per worker: the document source's state after the last document that went
+into the packer, plus the carry. Documents read ahead for batched tokenisation are not
+part of the state: after a restore they are read again from the source. A restore with a
+different world size or worker count is refused (the parts would differ).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from atma_titan.data.documents import DocumentSource
+from atma_titan.data.loader import stateful_loader
+from atma_titan.data.tokenizer import Tokenizer, encode_batch
+
+__all__ = ["Packer", "pack", "PackedBatches", "build_text_dataloader"]
+
+
+class Packer:
+    """Incremental packer: add documents, take windows of ``length`` tokens as they fill up.
+
+    ``carry`` / ``carry_doc_starts`` (offsets of document-start EOTs within ``carry``) are the
+    tokens not yet emitted as the start of a window; give them to a new ``Packer`` to continue.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        eot_id: int,
+        carry: Iterable[int] | None = None,
+        carry_doc_starts: Iterable[int] | None = None,
+    ):
+        if length < 2:
+            raise ValueError(f"window length must be >= 2 (windows share one token), got {length}")
+        self.length, self.eot_id = int(length), int(eot_id)
+        self._tokens = np.asarray(list(carry) if carry is not None else [], dtype=np.int64)
+        self._starts = np.zeros(len(self._tokens), dtype=bool)
+        if carry_doc_starts is None:  # a carry from pack(): its EOTs are the document starts
+            self._starts[self._tokens == self.eot_id] = True
+        else:
+            self._starts[np.asarray(list(carry_doc_starts), dtype=np.int64)] = True
+        self._pending: list[np.ndarray] = []  # documents added since the last concatenation
+        self._pending_len = 0
+
+    def add_document(self, tokens) -> None:
+        """Append EOT + ``tokens`` to the stream."""
+        doc = np.empty(len(tokens) + 1, dtype=np.int64)
+        doc[0] = self.eot_id
+        doc[1:] = tokens
+        self._pending.append(doc)
+        self._pending_len += len(doc)
+
+    def available(self) -> int:
+        return len(self._tokens) + self._pending_len
+
+    def next_window(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The next (window int64 [length], doc_start_mask bool [length]), or None until more documents arrive."""
+        if self.available() < self.length:
+            return None
+        if len(self._tokens) < self.length:
+            self._merge_pending()
+        window, mask = self._tokens[: self.length], self._starts[: self.length]
+        # Keep the last token: it is also the first token of the next window.
+        self._tokens, self._starts = self._tokens[self.length - 1 :], self._starts[self.length - 1 :]
+        return window, mask
+
+    def _merge_pending(self) -> None:
+        # One concatenation per window at most, however many short documents arrived.
+        starts = [self._starts]
+        for doc in self._pending:
+            doc_starts = np.zeros(len(doc), dtype=bool)
+            doc_starts[0] = True
+            starts.append(doc_starts)
+        self._tokens = np.concatenate([self._tokens, *self._pending])
+        self._starts = np.concatenate(starts)
+        self._pending, self._pending_len = [], 0
+
+    @property
+    def carry(self) -> list[int]:
+        self._merge_pending()
+        return self._tokens.tolist()
+
+    @property
+    def carry_doc_starts(self) -> list[int]:
+        self._merge_pending()
+        return np.flatnonzero(self._starts).tolist()
+
+
+def pack(
+    token_docs: Iterable[list[int]],
+    length: int,
+    eot_id: int,
+    carry: list[int] | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Windows ``(tokens int64 [length], doc_start_mask bool [length])`` of the documents, EOT before each.
+
+    ``carry`` is a previous stream's unemitted tail (its EOT ids count as document starts);
+    a final partial window is not emitted. See the module docstring for the layout.
+    """
+    packer = Packer(length, eot_id, carry)
+    for tokens in token_docs:
+        packer.add_document(tokens)
+        while (window := packer.next_window()) is not None:
+            yield window
+
+
+def _worker_slot() -> tuple[int, int]:
+    info = get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class PackedBatches(IterableDataset):
+    """This rank's micro-batches of packed documents, as (inputs, labels), each (b, seq_len) int64.
+
+    See the module docstring for the split and the state. ``tokenize_batch`` documents are
+    read and tokenised together (the tokenizers are faster in batch).
+    """
+
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        micro_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        tokenize_batch: int = 64,
+    ):
+        if seq_len < 1 or micro_batch < 1 or tokenize_batch < 1:
+            raise ValueError(
+                f"seq_len, micro_batch and tokenize_batch must be >= 1, got {seq_len}, {micro_batch}, {tokenize_batch}"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank {rank} of {world_size}")
+        self.source, self.tokenizer = source, tokenizer
+        self.seq_len, self.micro_batch, self.tokenize_batch = seq_len, micro_batch, tokenize_batch
+        self.rank, self.world_size = rank, world_size
+        self._loaded: dict | None = None  # a state to start from (load_state_dict), until iteration starts
+        self._live = None  # (part, num_parts, packer, source state) of the running iteration
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """Where this worker's stream stands after the last batch it yielded."""
+        if self._live is None:
+            return dict(self._loaded) if self._loaded is not None else {"source": None, "carry": []}
+        part, num_parts, packer, source_state = self._live
+        return {
+            "part": part,
+            "num_parts": num_parts,
+            "source": source_state,
+            "carry": packer.carry,
+            "carry_doc_starts": packer.carry_doc_starts,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._loaded, self._live = dict(state), None
+
+    def _check_state(self, state: dict, part: int, num_parts: int) -> None:
+        saved = (state.get("part", part), state.get("num_parts", num_parts))
+        if saved != (part, num_parts):
+            raise ValueError(
+                f"loader state was saved by part {saved[0]} of {saved[1]} (rank x loader worker); this is part "
+                f"{part} of {num_parts}: a text stream resumes only with the same world size and num_workers"
+            )
+
+    # ------------------------------------------------------------------ iteration
+
+    def _tokenized(self, documents: Iterator[tuple[str, dict]]) -> Iterator[tuple[list[int], dict]]:
+        """(tokens, source state after the document), tokenising ``tokenize_batch`` documents per call."""
+        while True:
+            texts, states = [], []
+            for text, state in documents:
+                texts.append(text)
+                states.append(state)
+                if len(texts) == self.tokenize_batch:
+                    break
+            if not texts:
+                return  # a finite source ran out (DocumentSources normally do not)
+            yield from zip(encode_batch(self.tokenizer, texts), states)
+
+    def __iter__(self):
+        worker, num_workers = _worker_slot()
+        part, num_parts = self.rank * num_workers + worker, self.world_size * num_workers
+        start = self.state_dict()  # a loaded state, or where the previous iteration stopped
+        self._check_state(start, part, num_parts)
+        packer = Packer(self.seq_len + 1, self.tokenizer.eot_id, start["carry"], start.get("carry_doc_starts"))
+        self._live = (part, num_parts, packer, start["source"])
+        self._loaded = None
+        tokenized = self._tokenized(self.source.documents(part, num_parts, start["source"]))
+        rows: list[np.ndarray] = []
+        while True:
+            window = packer.next_window()
+            if window is None:
+                document = next(tokenized, None)
+                if document is None:
+                    return
+                tokens, source_state = document
+                packer.add_document(tokens)
+                # The state moves only with documents that reached the packer, not the ones read ahead.
+                self._live = (part, num_parts, packer, source_state)
+                continue
+            rows.append(window[0])
+            if len(rows) == self.micro_batch:
+                tokens = torch.from_numpy(np.stack(rows))
+                rows = []
+                yield tokens[:, :-1], tokens[:, 1:]
+
+
+def build_text_dataloader(
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    tokenize_batch: int = 64,
+):
+    """A torchdata StatefulDataLoader over this rank's packed micro-batches; its state_dict() resumes it exactly."""
+    dataset = PackedBatches(source, tokenizer, seq_len, micro_batch, rank, world_size, tokenize_batch)
+    return stateful_loader(dataset, num_workers, pin_memory)

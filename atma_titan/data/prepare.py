@@ -1,0 +1,256 @@
+"""Tokenise a dataset into llm.c `.bin` shards: `python -m atma_titan.data.prepare --out DEST ...`.
+
+    python -m atma_titan.data.prepare --source hf --path HuggingFaceFW/fineweb-edu --hf-config sample-10BT \
+        --tokenizer gpt2 --out s3://bucket/fineweb-edu-gpt2 --parts 64 --workers 16
+    python -m atma_titan.data.prepare --source text --path "corpus/*.jsonl" --tokenizer gpt2 --out data/corpus
+
+The input is split into `--parts` parts (the document sources' deterministic split); each part is
+tokenised by one worker process into shards `train_<part>_<k>.bin` of at most `--shard-tokens`
+tokens, written atomically. A part counts as done only when all its shards are written and its
+record `parts/part-<part>.json` exists; re-running skips done parts and redoes the others from
+scratch, so an interrupted run resumes. The first `--val-tokens` tokens of part 0 go to
+`val_000.bin`. When every part is done, `manifest.json` lists the shards, their token counts and
+the tokenizer (name, vocab size, EOT id); training checks it against the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+
+from atma_titan.data.documents import EmptyPartError, HFDataset, TextFiles
+from atma_titan.data.shards import write_shard
+from atma_titan.data.tokenizer import build_tokenizer, encode_batch
+
+MANIFEST = "manifest.json"
+PARTS_DIR = "parts"
+
+
+@dataclass(frozen=True)
+class Job:
+    source: str
+    path: str
+    hf_config: str
+    hf_split: str
+    text_field: str
+    tokenizer: str
+    out: str
+    parts: int
+    shard_tokens: int
+    val_tokens: int
+    batch_documents: int = 256
+
+    def document_source(self):
+        if self.source == "hf":
+            return HFDataset(self.path, self.hf_config or None, self.hf_split, self.text_field)
+        return TextFiles(self.path, self.text_field)
+
+
+def _join(root: str, *names: str) -> str:
+    return "/".join([root.rstrip("/"), *names])
+
+
+def _write_json(fs, path: str, data: dict) -> None:
+    """Write whole-or-nothing: a temporary name, then a rename."""
+    with fs.open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=2)
+    fs.mv(path + ".tmp", path)
+
+
+class _ShardWriter:
+    """Collects tokens and writes a shard each time `shard_tokens` have accumulated."""
+
+    def __init__(self, job: Job, prefix: str):
+        self.job, self.prefix = job, prefix
+        self.buffer: list[np.ndarray] = []
+        self.buffered = 0
+        self.shards: list[dict] = []
+
+    def add(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            room = self.job.shard_tokens - self.buffered
+            self.buffer.append(tokens[:room])
+            self.buffered += len(tokens[:room])
+            tokens = tokens[room:]
+            if self.buffered == self.job.shard_tokens:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.buffered:
+            return
+        name = f"{self.prefix}_{len(self.shards):03d}.bin"
+        count = write_shard(_join(self.job.out, name), np.concatenate(self.buffer))
+        self.shards.append({"name": name, "tokens": int(count)})
+        self.buffer, self.buffered = [], 0
+
+
+def _one_pass(job: Job, part: int):
+    """This part's documents, once (sources repeat epochs for training; a part may be empty)."""
+    try:
+        for text, state in job.document_source().documents(part, job.parts):
+            if state["epoch"] > 0:
+                return
+            yield text
+    except EmptyPartError:
+        return
+
+
+def _tokenised_documents(job: Job, part: int, tokenizer):
+    """This part's documents as token arrays, each with EOT in front (llm.c convention)."""
+    batch: list[str] = []
+    for text in _one_pass(job, part):
+        batch.append(text)
+        if len(batch) == job.batch_documents:
+            yield from _encode(tokenizer, batch)
+            batch = []
+    if batch:
+        yield from _encode(tokenizer, batch)
+
+
+def _encode(tokenizer, texts: list[str]):
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32
+    for ids in encode_batch(tokenizer, texts):
+        yield np.asarray([tokenizer.eot_id, *ids], dtype=dtype)
+
+
+def prepare_part(job: Job, part: int) -> dict:
+    """Tokenise one part into its shards; returns its record (also written to parts/part-N.json)."""
+    tokenizer = build_tokenizer(job.tokenizer)
+    train = _ShardWriter(job, f"train_{part:04d}")
+    val = _ShardWriter(job, "val") if part == 0 and job.val_tokens else None
+    documents = 0
+    for tokens in _tokenised_documents(job, part, tokenizer):
+        documents += 1
+        if val is not None and val.buffered + sum(s["tokens"] for s in val.shards) < job.val_tokens:
+            val.add(tokens)  # whole documents: validation text never starts mid-document
+        else:
+            train.add(tokens)
+    train.flush()
+    record = {"part": part, "documents": documents, "shards": train.shards}
+    if val is not None:
+        val.flush()
+        record["val_shards"] = val.shards
+    fs, root = fsspec.core.url_to_fs(job.out)
+    _write_json(fs, _join(root, PARTS_DIR, f"part-{part:04d}.json"), record)
+    return record
+
+
+def _run_part(args: tuple[Job, int]) -> dict:
+    return prepare_part(*args)
+
+
+def prepare(job: Job, workers: int = 1, progress: bool = True) -> dict:
+    """Run every part not yet done (in `workers` processes), then write and return the manifest."""
+    tokenizer = build_tokenizer(job.tokenizer)  # fail fast (offline, unknown name) before any worker starts
+    fs, root = fsspec.core.url_to_fs(job.out)
+    fs.makedirs(_join(root, PARTS_DIR), exist_ok=True)
+    done = {int(p.rsplit("-", 1)[1].split(".")[0]) for p in fs.glob(_join(root, PARTS_DIR, "part-*.json"))}
+    todo = [p for p in range(job.parts) if p not in done]
+    if done:
+        print(f"{len(done)} of {job.parts} parts already done in {job.out}; {len(todo)} to go", file=sys.stderr)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=job.parts, initial=len(done), unit="part", desc="tokenising", disable=not progress)
+    tokens, start = 0, time.time()
+    ctx = mp.get_context("spawn")  # fork is unsafe with the threads tokenizers and fsspec start
+    with ctx.Pool(workers) if workers > 1 else _InlinePool() as pool:
+        for record in pool.imap_unordered(_run_part, [(job, p) for p in todo]):
+            tokens += sum(s["tokens"] for s in record["shards"] + record.get("val_shards", []))
+            bar.update(1)
+            bar.set_postfix(tokens=f"{tokens:,}", per_s=f"{tokens / max(1e-9, time.time() - start):,.0f}")
+    bar.close()
+
+    records = [json.loads(fs.cat(p)) for p in sorted(fs.glob(_join(root, PARTS_DIR, "part-*.json")))]
+    train = [s for r in records for s in r["shards"]]
+    val = [s for r in records for s in r.get("val_shards", [])]
+    if not train:
+        raise ValueError(f"no documents found in {job.path}: nothing to write to {job.out}")
+    manifest = {
+        "format": "llm.c token shards (256 x int32 header: magic 20240520, version, count; then tokens)",
+        "source": {
+            "kind": job.source,
+            "path": job.path,
+            "hf_config": job.hf_config,
+            "hf_split": job.hf_split,
+            "text_field": job.text_field,
+        },
+        "tokenizer": {"name": job.tokenizer, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id},
+        "documents": sum(r["documents"] for r in records),
+        "train_tokens": sum(s["tokens"] for s in train),
+        "val_tokens": sum(s["tokens"] for s in val),
+        "train_shards": train,
+        "val_shards": val,
+    }
+    _write_json(fs, _join(root, MANIFEST), manifest)
+    return manifest
+
+
+class _InlinePool:
+    """The Pool interface, in this process: one worker needs no subprocesses."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def imap_unordered(self, fn, items):
+        return map(fn, items)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m atma_titan.data.prepare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--source", choices=("text", "hf"), default="text", help="text files or a Hugging Face dataset")
+    p.add_argument("--path", required=True, help="text: glob/URL of .txt/.jsonl/.parquet files; hf: hub id")
+    p.add_argument("--hf-config", default="", help="hf: config name (e.g. sample-10BT)")
+    p.add_argument("--hf-split", default="train", help="hf: split")
+    p.add_argument("--text-field", default="text", help="field holding the text (jsonl, parquet, hf)")
+    p.add_argument("--tokenizer", default="gpt2", help="byte, gpt2, or a tokenizer.json path / hf:<hub id>")
+    p.add_argument("--out", required=True, help="destination folder: local path or fsspec URL (s3://, gs://, ...)")
+    p.add_argument("--parts", type=int, default=16, help="input split into this many independently resumable parts")
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per output shard at most")
+    p.add_argument("--val-tokens", type=int, default=0, help="tokens of part 0 to set aside as val_000.bin")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    for name in ("parts", "workers", "shard_tokens"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    job = Job(
+        a.source,
+        a.path,
+        a.hf_config,
+        a.hf_split,
+        a.text_field,
+        a.tokenizer,
+        a.out,
+        a.parts,
+        a.shard_tokens,
+        a.val_tokens,
+    )
+    try:
+        manifest = prepare(job, a.workers, progress=not a.no_progress)
+    except ValueError as e:  # our sources, shards and tokenizers raise ValueError subclasses with full messages
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {len(manifest['train_shards'])} train shards ({manifest['train_tokens']:,} tokens) and "
+        f"{len(manifest['val_shards'])} validation shards ({manifest['val_tokens']:,} tokens) to {a.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

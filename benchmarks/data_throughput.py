@@ -1,0 +1,135 @@
+"""Tokens/s the data loader delivers to one rank, against what training consumes, in one run.
+
+    python benchmarks/data_throughput.py [--tokens 100_000_000] [--workers 0,2,4] [--world 1,8]
+
+Two paths: llm.c `.bin` shards (memory-mapped windows: the training path) and jsonl text
+tokenised on the fly (byte tokenizer, a BPE trained here with `tokenizers`, and GPT-2 when
+tiktoken's files are cached). Each loader is rank 0 of `--world` ranks, 2K sequences, micro-batches
+of 16, so it builds exactly the batches rank 0 would train on. The consumption side is the 370M
+model's training speed per GPU: `--consume` tokens/s (default: the H200 figure measured with this
+repository, benchmarks/results/train_speed-h200-370m-v2.json) and the ~225K tokens/s of a 315M
+softmax transformer there. Results go to benchmarks/results/data_throughput-<tag>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from atma_titan.data.documents import TextFiles
+from atma_titan.data.loader import build_dataloader, stateful_loader
+from atma_titan.data.packing import PackedBatches
+from atma_titan.data.shards import BinShards, write_shard
+from atma_titan.data.tokenizer import build_tokenizer
+
+SEQ_LEN, MICRO_BATCH, GLOBAL_BATCH = 2048, 16, 256
+WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or have had "
+         "it not first one their its new after who they two her she been other when there all during into "
+         "school time may years more most only over city some world would where later up such used many can "
+         "state about national out known university united then made").split()
+
+
+def measure(loader, batches: int) -> float:
+    """Tokens/s over `batches` micro-batches, after one warm-up batch (worker start-up)."""
+    it = iter(loader)
+    next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        inputs, _ = next(it)
+    return batches * inputs.numel() / (time.perf_counter() - start)
+
+
+def make_shards(folder: Path, tokens: int, shards: int = 4) -> str:
+    rng = np.random.default_rng(0)
+    for i in range(shards):
+        write_shard(str(folder / f"train_{i:03d}.bin"), rng.integers(0, 50257, tokens // shards, dtype=np.uint16))
+    return str(folder / "train_*.bin")
+
+
+def make_jsonl(folder: Path, documents: int, files: int = 8) -> str:
+    rng = np.random.default_rng(1)
+    for f in range(files):
+        with open(folder / f"docs_{f:02d}.jsonl", "w") as out:
+            for _ in range(documents // files):
+                words = rng.choice(WORDS, size=int(rng.integers(200, 1500)))
+                out.write(json.dumps({"text": " ".join(words) + "."}) + "\n")
+    return str(folder / "docs_*.jsonl")
+
+
+def train_bpe(folder: Path, pattern: str) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"])
+    files = sorted(Path(pattern).parent.glob(Path(pattern).name))
+    texts = (json.loads(line)["text"] for f in files[:1] for line in open(f))
+    tok.train_from_iterator(texts, trainer)
+    path = folder / "bpe" / "tokenizer.json"
+    path.parent.mkdir()
+    tok.save(str(path))
+    return str(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=100_000_000, help="tokens in the .bin shards")
+    p.add_argument("--documents", type=int, default=4000, help="jsonl documents (~850 words each)")
+    p.add_argument("--workers", default="0,2,4")
+    p.add_argument("--world", default="1,8")
+    p.add_argument("--batches", type=int, default=40, help="micro-batches timed per loader")
+    p.add_argument("--consume", type=float, default=90_557.0, help="training tokens/s per GPU to compare with")
+    p.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a = p.parse_args()
+    workers = [int(w) for w in a.workers.split(",")]
+    worlds = [int(w) for w in a.world.split(",")]
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "bin").mkdir()
+        (tmp / "text").mkdir()
+        shards = BinShards(make_shards(tmp / "bin", a.tokens))
+        for world in worlds:
+            for w in workers:
+                loader = build_dataloader(shards, SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, world_size=world, num_workers=w)
+                rows.append({"path": ".bin shards", "world": world, "workers": w,
+                             "tokens_per_second": measure(loader, a.batches)})
+                print(rows[-1], flush=True)
+
+        pattern = make_jsonl(tmp / "text", a.documents)
+        tokenizers = {"byte": "byte", "bpe-8k": train_bpe(tmp, pattern)}
+        try:
+            build_tokenizer("gpt2")
+            tokenizers["gpt2"] = "gpt2"
+        except ValueError as e:
+            print(f"gpt2 skipped: {str(e).splitlines()[0]}")
+        for name, spec in tokenizers.items():
+            tokenizer = build_tokenizer(spec)
+            for w in workers:
+                dataset = PackedBatches(TextFiles(pattern), tokenizer, SEQ_LEN, MICRO_BATCH)
+                rows.append({"path": f"jsonl + {name}", "world": 1, "workers": w,
+                             "tokens_per_second": measure(stateful_loader(dataset, w), max(4, a.batches // 4))})
+                print(rows[-1], flush=True)
+
+    print(f"\n{'path':<18} {'world':>5} {'workers':>7} {'tokens/s/rank':>14} {'x consumption':>14}")
+    for r in rows:
+        r["x_consumption"] = r["tokens_per_second"] / a.consume
+        print(f"{r['path']:<18} {r['world']:>5} {r['workers']:>7} {r['tokens_per_second']:>14,.0f} "
+              f"{r['x_consumption']:>13.1f}x")
+    print(f"(consumption: {a.consume:,.0f} tokens/s per GPU; a 315M softmax transformer: ~225,000)")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"data_throughput-{a.tag}.json"
+    path.write_text(json.dumps({"consume_tokens_per_second": a.consume, "results": rows}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
