@@ -278,9 +278,21 @@ def test_streamed_text_resumes_exactly_at_the_same_world_size(tmp_path):
         with open(tmp_path / "text" / f"d{f}.jsonl", "w") as out:
             for d in range(40):
                 out.write(json.dumps({"text": f"file {f} doc {d} " * (d % 9 + 1)}) + "\n")
-    common = [*TINY, "--training.steps", "6", "--data.source", "text", "--data.path",
-              str(tmp_path / "text" / "*.jsonl"), "--data.num_workers", "1", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "100"]
+    common = [
+        *TINY,
+        "--training.steps",
+        "6",
+        "--data.source",
+        "text",
+        "--data.path",
+        str(tmp_path / "text" / "*.jsonl"),
+        "--data.num_workers",
+        "1",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100",
+    ]
     ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "straight")))
     ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split"), "--debug.signal_at_step", "3"))
     ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split")))

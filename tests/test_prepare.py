@@ -21,8 +21,18 @@ def corpus(tmp_path, files=3, docs=20):
 
 
 def job(pattern, out, **kw):
-    args = dict(source="text", path=pattern, hf_config="", hf_split="train", text_field="text", tokenizer="byte",
-                out=str(out), parts=4, shard_tokens=500, val_tokens=0)
+    args = dict(
+        source="text",
+        path=pattern,
+        hf_config="",
+        hf_split="train",
+        text_field="text",
+        tokenizer="byte",
+        out=str(out),
+        parts=4,
+        shard_tokens=500,
+        val_tokens=0,
+    )
     return Job(**{**args, **kw})
 
 
@@ -66,8 +76,21 @@ def test_validation_tokens_and_parallel_workers_to_an_fsspec_url(tmp_path):
 
 
 def test_command_line_errors_exit_nonzero_with_a_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "atma_titan.data.prepare", "--path", str(tmp_path / "none*.jsonl"),
-                           "--out", str(tmp_path / "o"), "--tokenizer", "byte"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "atma_titan.data.prepare",
+            "--path",
+            str(tmp_path / "none*.jsonl"),
+            "--out",
+            str(tmp_path / "o"),
+            "--tokenizer",
+            "byte",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "no file matches" in proc.stderr
     assert main(["--path", "x", "--out", "y", "--tokenizer", "nope"]) == 2
 
@@ -75,6 +98,20 @@ def test_command_line_errors_exit_nonzero_with_a_message(tmp_path):
 @pytest.mark.parametrize("tokenizer", ["byte"])
 def test_command_line_runs_end_to_end(tmp_path, tokenizer):
     pattern, texts = corpus(tmp_path, files=2, docs=5)
-    assert main(["--path", pattern, "--out", str(tmp_path / "cli"), "--tokenizer", tokenizer, "--parts", "2",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--path",
+                pattern,
+                "--out",
+                str(tmp_path / "cli"),
+                "--tokenizer",
+                tokenizer,
+                "--parts",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "cli" / "manifest.json").read_text())["documents"] == len(texts)
