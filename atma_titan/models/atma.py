@@ -46,14 +46,22 @@ class ATMA(nn.Module):
 
     def forward(self, tokens: torch.Tensor, return_aux: bool = False):
         """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss."""
+        h, aux = self.trunk(tokens)
+        logits = self.head(h)
+        return (logits, aux) if return_aux else logits
+
+    def trunk(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens (B, T) -> final-normed hidden states (B, T, d) and the summed auxiliary loss.
+
+        Evaluation at long lengths applies `head` to slices of these, never holding (T x vocab) logits.
+        """
         h = self.embed(tokens)
         aux_total = None
         for block in self.blocks.values():
             h, aux = block(h)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
-        logits = self.head(self.norm(h))
-        return (logits, aux_total) if return_aux else logits
+        return self.norm(h), aux_total
 
     @torch.no_grad()
     def init_weights(self) -> None:
