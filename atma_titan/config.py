@@ -186,6 +186,14 @@ class Metrics:
 
 
 @dataclass
+class Eval:
+    interval: int = opt(0, "Validation loss and a short needle check every N steps and at the end (0 = off).")
+    val_batches: int = opt(8, "Validation micro-batches per rank (held-out seed for synthetic, data.val_path for bin).")
+    needle_gaps: list = opt([], "Gaps in tokens of the in-training needle check ([] = off; synthetic data only).")
+    needle_trials: int = opt(8, "Probes per gap of the in-training needle check.")
+
+
+@dataclass
 class Debug:
     nan_at_step: int = opt(0, "Fault injection: make the loss NaN at this step (0 = never).")
     signal_at_step: int = opt(0, "Fault injection: send SIGTERM to one rank during this step (0 = never).")
@@ -204,6 +212,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
+    eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
@@ -426,6 +435,14 @@ def validate(cfg: JobConfig) -> None:
         "activation_checkpoint.every_n",
         cfg.activation_checkpoint.every_n,
         "an integer >= 1",
+    )
+    need(cfg.eval.interval >= 0, "eval.interval", cfg.eval.interval, ">= 0 (0 = off)")
+    need(cfg.eval.val_batches >= 0, "eval.val_batches", cfg.eval.val_batches, ">= 0")
+    need(
+        all(isinstance(g, int) and g >= 1 for g in cfg.eval.needle_gaps),
+        "eval.needle_gaps",
+        cfg.eval.needle_gaps,
+        "a list of positive integers",
     )
     need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")

@@ -36,6 +36,7 @@ from atma_titan.models.atma import non_embedding_params
 from atma_titan.optim import LRSchedules, build_optimizers
 from atma_titan.parallel import ParallelDims, destroy_distributed, init_distributed, parallelize
 from atma_titan.preemption import StopRequest
+from atma_titan.validation import Validator
 
 DONE_MARKER = "DONE"
 
@@ -300,6 +301,12 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
             rank_state={"loader": loader.state_dict(), "rng": rng_state(device), "num_workers": cfg.data.num_workers},
         )
 
+    validator = None
+    if cfg.eval.interval:
+        validator = Validator(
+            cfg, args.vocab_size, rank=dims.dp_rank, world_size=dims.dp_degree, distributed=dims.distributed
+        )
+
     stop = StopRequest().install()
     last: dict = {}
     saved_step = train_state.step
@@ -355,7 +362,10 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                 train_state.windows_consumed += global_batch
                 throughput.update(tokens_per_step // dims.dp_degree)
 
-                if step == 1 or step % m.log_freq == 0 or step == cfg.training.steps or stop_votes:
+                evaluated = {}
+                if validator and (step % cfg.eval.interval == 0 or step == cfg.training.steps):
+                    evaluated = validator.run(model, device)
+                if step == 1 or step % m.log_freq == 0 or step == cfg.training.steps or stop_votes or evaluated:
                     last = {
                         "step": step,
                         "loss": loss_value,
@@ -363,6 +373,7 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                         "lr": lr,
                         **throughput.compute(),
                         "memory_gib": device_memory_gib(device),
+                        **evaluated,
                     }
                     if args.distractor_weight > 0:
                         last["distractor_loss"] = aux_value

@@ -28,10 +28,12 @@ from atma_titan.data.shards import BinShards, write_shard
 from atma_titan.data.tokenizer import build_tokenizer
 
 SEQ_LEN, MICRO_BATCH, GLOBAL_BATCH = 2048, 16, 256
-WORDS = ("the of and to in is was for on that with as by at from his an were are which this be or have had "
-         "it not first one their its new after who they two her she been other when there all during into "
-         "school time may years more most only over city some world would where later up such used many can "
-         "state about national out known university united then made").split()
+WORDS = (
+    "the of and to in is was for on that with as by at from his an were are which this be or have had "
+    "it not first one their its new after who they two her she been other when there all during into "
+    "school time may years more most only over city some world would where later up such used many can "
+    "state about national out known university united then made"
+).split()
 
 
 def measure(loader, batches: int) -> float:
@@ -99,8 +101,14 @@ def main() -> None:
         for world in worlds:
             for w in workers:
                 loader = build_dataloader(shards, SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, world_size=world, num_workers=w)
-                rows.append({"path": ".bin shards", "world": world, "workers": w,
-                             "tokens_per_second": measure(loader, a.batches)})
+                rows.append(
+                    {
+                        "path": ".bin shards",
+                        "world": world,
+                        "workers": w,
+                        "tokens_per_second": measure(loader, a.batches),
+                    }
+                )
                 print(rows[-1], flush=True)
 
         pattern = make_jsonl(tmp / "text", a.documents)
@@ -114,15 +122,23 @@ def main() -> None:
             tokenizer = build_tokenizer(spec)
             for w in workers:
                 dataset = PackedBatches(TextFiles(pattern), tokenizer, SEQ_LEN, MICRO_BATCH)
-                rows.append({"path": f"jsonl + {name}", "world": 1, "workers": w,
-                             "tokens_per_second": measure(stateful_loader(dataset, w), max(4, a.batches // 4))})
+                rows.append(
+                    {
+                        "path": f"jsonl + {name}",
+                        "world": 1,
+                        "workers": w,
+                        "tokens_per_second": measure(stateful_loader(dataset, w), max(4, a.batches // 4)),
+                    }
+                )
                 print(rows[-1], flush=True)
 
     print(f"\n{'path':<18} {'world':>5} {'workers':>7} {'tokens/s/rank':>14} {'x consumption':>14}")
     for r in rows:
         r["x_consumption"] = r["tokens_per_second"] / a.consume
-        print(f"{r['path']:<18} {r['world']:>5} {r['workers']:>7} {r['tokens_per_second']:>14,.0f} "
-              f"{r['x_consumption']:>13.1f}x")
+        print(
+            f"{r['path']:<18} {r['world']:>5} {r['workers']:>7} {r['tokens_per_second']:>14,.0f} "
+            f"{r['x_consumption']:>13.1f}x"
+        )
     print(f"(consumption: {a.consume:,.0f} tokens/s per GPU; a 315M softmax transformer: ~225,000)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
 """Distributed training on CPU with 2 processes over gloo: FSDP2 parity, exact resume, resharding, faults."""
 
+import json
+
 import pytest
 
 from distributed_utils import TINY, losses, run_trainer
@@ -96,10 +98,16 @@ def test_every_option_on_trains(tmp_path):
                 "1",
                 "--model.distractor_weight",
                 "0.01",
+                "--eval.interval",
+                "2",
+                "--eval.needle_gaps",
+                "16",
                 timeout=600,
             )
         )
         assert list(losses(folder)) == [1, 2, 3]
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert "val_loss" in rows[1] and "recall@16" in rows[2]  # in-training eval under FSDP, steps 2 and 3
         assert (folder / "checkpoints" / "step-3" / "COMPLETE").exists()
 
 

@@ -276,3 +276,16 @@ def test_build_tokenizer():
     assert isinstance(tokenizer, Tokenizer) and isinstance(tokenizer, ByteTokenizer)
     with pytest.raises(ValueError, match=r"'gpt9'.*'byte'"):
         build_tokenizer("gpt9")
+
+
+def test_recall_probe_layout_and_control():
+    source = SyntheticSource(512, eot_id=256, seed=4)
+    tokens, positions = source.recall_probe(7, gap=40)
+    record_len = source.record_len
+    assert tokens[0] == 256 and len(tokens) == 1 + record_len + 40 + record_len
+    assert np.array_equal(tokens[1 : 1 + record_len], tokens[-record_len:])  # the repeat equals the needle
+    assert tokens[1] == source.mark_id and (tokens == source.mark_id).sum() == 2
+    assert list(positions) == list(range(len(tokens) - source.value_len, len(tokens)))
+    control, _ = source.recall_probe(7, gap=40, with_needle=False)
+    assert len(control) == len(tokens) and np.array_equal(control[1 + record_len :], tokens[1 + record_len :])
+    assert (control == source.mark_id).sum() == 1  # only the query: nothing to recall

@@ -197,6 +197,21 @@ class SyntheticSource:
         tokens, masks = zip(*pairs)
         return np.stack(tokens), np.stack(masks)
 
+    def recall_probe(self, index: int, gap: int, with_needle: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """An induction-needle probe in this source's own language: (tokens, value_positions).
+
+        ``EOT, MARK key value, <gap filler tokens>, MARK key value`` as one document; the value
+        tokens of the repeat (at ``value_positions``) are predictable only by recalling the first
+        record across the gap. ``with_needle=False`` gives the control: the first record is replaced
+        by filler, so the sequence has the same length but nothing to recall.
+        """
+        rng = self._window_rng(index)
+        record = self._sample_records(rng, 1)[0]
+        filler = self._sample_filler(rng, gap)  # drawn before the control's stand-in: same haystack in both
+        first = record if with_needle else self._sample_filler(rng, self.record_len)
+        tokens = np.concatenate([[self.eot_id], first, filler, record]).astype(np.int64)
+        return tokens, np.arange(len(tokens) - self.value_len, len(tokens))
+
     def __repr__(self) -> str:
         return (
             f"SyntheticSource(vocab_size={self.vocab_size}, eot_id={self.eot_id}, "

