@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -34,7 +33,7 @@ from atma_titan.metrics import MetricsLogger, Throughput, device_memory_gib, flo
 from atma_titan.models import ATMA, parameter_breakdown, resolve_model_args
 from atma_titan.models.atma import non_embedding_params
 from atma_titan.optim import LRSchedules, build_optimizers
-from atma_titan.parallel import ParallelDims, destroy_distributed, init_distributed, parallelize
+from atma_titan.parallel import ParallelDims, all_reduce_sum, destroy_distributed, init_distributed, parallelize
 from atma_titan.preemption import StopRequest
 from atma_titan.validation import Validator
 
@@ -144,12 +143,6 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
-
-
-def all_reduce_sum(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    if dims.distributed:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
 
 
 def rng_state(device: torch.device) -> dict:
@@ -303,9 +296,7 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
 
     validator = None
     if cfg.eval.interval:
-        validator = Validator(
-            cfg, args.vocab_size, rank=dims.dp_rank, world_size=dims.dp_degree, distributed=dims.distributed
-        )
+        validator = Validator(cfg, args.vocab_size, dims)
 
     stop = StopRequest().install()
     last: dict = {}

@@ -10,18 +10,18 @@ when it is the synthetic one (`atma_titan.eval.records`), otherwise from the tex
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from atma_titan.data import SyntheticSource, build_source, build_tokenizer
+from atma_titan.data import SyntheticSource, build_tokenizer
 from atma_titan.data.loader import build_dataloader
+from atma_titan.parallel.dims import ParallelDims, all_reduce_sum
 
 
 def validation_source(cfg_data, vocab_size: int):
     """Held-out data for the validation loss, or None when the config names none."""
     if cfg_data.source == "synthetic":  # another seed is a held-out split of the same language
-        train = build_source(cfg_data, vocab_size)
-        return SyntheticSource(vocab_size, eot_id=train.eot_id, seed=cfg_data.seed + 1)
+        eot_id = build_tokenizer(cfg_data.tokenizer).eot_id
+        return SyntheticSource(vocab_size, eot_id=eot_id, seed=cfg_data.seed + 1)
     if cfg_data.source == "bin" and cfg_data.val_path:
         from atma_titan.data.shards import BinShards
 
@@ -30,8 +30,9 @@ def validation_source(cfg_data, vocab_size: int):
 
 
 class Validator:
-    def __init__(self, cfg, vocab_size: int, *, rank: int, world_size: int, distributed: bool):
-        self.cfg, self.world_size, self.distributed = cfg, world_size, distributed
+    def __init__(self, cfg, vocab_size: int, dims: ParallelDims):
+        self.cfg, self.dims = cfg, dims
+        rank, world_size = dims.dp_rank, dims.dp_degree
         t = cfg.training
         self.source = validation_source(cfg.data, vocab_size)
         self.batches = None
@@ -62,11 +63,6 @@ class Validator:
         finally:
             model.train(was_training)
 
-    def _sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(values)
-        return values
-
     def _val_loss(self, model, device) -> float:
         totals = torch.zeros(2, device=device, dtype=torch.float64)
         it = iter(self.batches)
@@ -75,7 +71,7 @@ class Validator:
             logits = model(inputs)
             totals[0] += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").double()
             totals[1] += labels.numel()
-        totals = self._sum_over_ranks(totals)
+        totals = all_reduce_sum(totals, self.dims)
         return (totals[0] / totals[1]).item()
 
     def _needle(self, model, device) -> dict[str, float]:

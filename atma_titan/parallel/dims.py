@@ -87,6 +87,13 @@ def init_distributed(dp_replicate: int, dp_shard: int, device_type: str, timeout
     return dims
 
 
+def all_reduce_sum(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Sum `values` in place over all ranks (a no-op in a single process)."""
+    if dims.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
