@@ -88,8 +88,14 @@ def initial_state_dict(cfg: JobConfig) -> dict:
     return model.state_dict()
 
 
-def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims | None = None) -> ATMA:
-    """Build on the meta device, apply AC / compile / FSDP2, materialise on `device`, load the initial weights."""
+def build_model(
+    cfg: JobConfig, device: torch.device, dims: ParallelDims | None = None, initialise: bool = True
+) -> ATMA:
+    """Build on the meta device, apply AC / compile / FSDP2, materialise on `device`, load the initial weights.
+
+    `initialise=False` leaves the parameters uninitialised, for a caller that loads every one of them
+    from a checkpoint next (computing the initial weights costs a full CPU copy of the model).
+    """
     dims = dims or ParallelDims(1, 0, 0, 1, 1)
     with torch.device("meta"):
         model = ATMA(resolve_model_args(cfg.model))
@@ -105,7 +111,8 @@ def build_model(cfg: JobConfig, device: torch.device, dims: ParallelDims | None 
         reshard_after_forward=cfg.parallelism.reshard_after_forward,
     )
     model.to_empty(device=device)
-    set_model_state_dict(model, initial_state_dict(cfg), options=StateDictOptions(full_state_dict=True))
+    if initialise:
+        set_model_state_dict(model, initial_state_dict(cfg), options=StateDictOptions(full_state_dict=True))
     return model
 
 
@@ -198,14 +205,6 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
         data = TrainData(cfg.data, resolve_model_args(cfg.model).vocab_size)
     except ValueError as e:  # the message names the file, key or value and what is allowed
         raise ConfigError(str(e)) from None
-    model = build_model(cfg, device, dims)
-    args = model.args
-    if main_rank:
-        print_parameters(model)
-    optimizers = build_optimizers(model, cfg.optimizer)
-    schedules = LRSchedules(optimizers, cfg.lr_scheduler, cfg.training.steps)
-    train_state = TrainState()
-
     # Resume: the run's own newest checkpoint, else an explicit starting point (load_path).
     ckpt_cfg = cfg.checkpoint
     checkpointer = CheckpointManager(
@@ -215,6 +214,16 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
         rank=dims.rank,
         world_size=dims.world_size,
     )
+    resume_step = ckpt_cfg.load_step if ckpt_cfg.load_step >= 0 else checkpointer.latest_step()
+    resuming = ckpt_cfg.enable and ckpt_cfg.resume and resume_step is not None
+    # A loaded checkpoint sets every weight: the initial weights need not be computed then.
+    model = build_model(cfg, device, dims, initialise=not (resuming or ckpt_cfg.load_path))
+    args = model.args
+    if main_rank:
+        print_parameters(model)
+    optimizers = build_optimizers(model, cfg.optimizer)
+    schedules = LRSchedules(optimizers, cfg.lr_scheduler, cfg.training.steps)
+    train_state = TrainState()
     job_state = {
         "model": model_state(model),
         "optimizer": optimizer_state(model, optimizers.optimizers),
@@ -222,8 +231,7 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
         "train_state": train_state,
     }
     rank_state = None
-    resume_step = ckpt_cfg.load_step if ckpt_cfg.load_step >= 0 else checkpointer.latest_step()
-    if ckpt_cfg.enable and ckpt_cfg.resume and resume_step is not None:
+    if resuming:
         rank_state = checkpointer.load(job_state, step=resume_step)
         say(f"resumed from {checkpointer.checkpoint_dir(resume_step)} at step {train_state.step}")
     elif ckpt_cfg.load_path:
