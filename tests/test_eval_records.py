@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_eval import Induction
+from test_eval import TRAIN, Induction
 
 from atma_titan.config import load_config
 from atma_titan.data.synthetic import SyntheticSource
@@ -69,23 +69,7 @@ def test_in_training_eval_logs_validation_loss_and_recall(tmp_path):
 
 
 def test_eval_records_command_and_its_guard(tmp_path):
-    base = [
-        "--training.steps",
-        "2",
-        "--training.seq_len",
-        "32",
-        "--training.batch_tokens",
-        "128",
-        "--training.micro_batch_size",
-        "4",
-        "--metrics.stdout",
-        "false",
-        "--job.print_config",
-        "false",
-        "--checkpoint.enable",
-        "true",
-    ]
-    train(load_config(base + ["--job.dump_folder", str(tmp_path / "run")]))
+    train(load_config(TRAIN + ["--job.dump_folder", str(tmp_path / "run")]))
     proc = subprocess.run(
         [
             sys.executable,

@@ -6,28 +6,14 @@ import sys
 
 import numpy as np
 import pytest
+from test_train import SMALL as TRAIN_SMALL
 
 from atma_titan.config import load_config
 from atma_titan.data.prepare import Job, prepare
 from atma_titan.data.shards import write_shard
 from atma_titan.train import train
 
-SMALL = [
-    "--training.steps",
-    "3",
-    "--training.seq_len",
-    "32",
-    "--training.batch_tokens",
-    "256",
-    "--training.micro_batch_size",
-    "4",
-    "--metrics.log_freq",
-    "1",
-    "--job.print_config",
-    "false",
-    "--metrics.stdout",
-    "false",
-]
+SMALL = [*TRAIN_SMALL, "--metrics.stdout", "false"]
 
 
 def jsonl_corpus(folder, files=2, docs=30):
