@@ -74,6 +74,17 @@ class Model:
     logit_softcap: Optional[float] = opt(None, "LM-head logit soft-cap c, 0 = off (None: the flavor's).")
     memory_chunk: Optional[int] = opt(None, "Chunk length of the chunked memory form (None: the flavor's).")
     attention_block: Optional[int] = opt(None, "Query/key tile of the streaming Polar reference (None: the flavor's).")
+    attention_impl: Optional[str] = opt(
+        None,
+        "Polar kernel: auto (Triton on CUDA, reference elsewhere), triton, reference (None: the flavor's).",
+        ("auto", "triton", "reference"),
+    )
+    memory_impl: Optional[str] = opt(
+        None,
+        "Gated-delta kernel: auto (Triton on CUDA, reference elsewhere), triton, reference, or fla "
+        "(flash-linear-attention, when installed) (None: the flavor's).",
+        ("auto", "triton", "reference", "fla"),
+    )
 
 
 @dataclass

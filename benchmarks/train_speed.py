@@ -2,6 +2,7 @@
 
     python benchmarks/train_speed.py --config train_configs/atma_370m.toml --steps 12 \
         --variants eager,compile,compile+selective,compile+full [--nproc 1] [-- extra overrides]
+    python benchmarks/train_speed.py --variants compile+reference,compile+triton   # the kernels' effect
 
 Each variant is a real `torchrun -m atma_titan.train` run (FSDP2 under torchrun, even on one GPU);
 tokens/s and MFU are medians over the steps after `--warmup`, and each variant is also reported as
@@ -20,14 +21,23 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = {
+# A variant is a '+'-joined list of these switches, e.g. "compile+selective+triton".
+SWITCHES = {
     "eager": [],
+    "compile": ["--training.compile", "true"],
     "selective": ["--activation_checkpoint.mode", "selective"],
     "full": ["--activation_checkpoint.mode", "full"],
-    "compile": ["--training.compile", "true"],
-    "compile+selective": ["--training.compile", "true", "--activation_checkpoint.mode", "selective"],
-    "compile+full": ["--training.compile", "true", "--activation_checkpoint.mode", "full"],
+    "triton": ["--model.attention_impl", "triton", "--model.memory_impl", "triton"],
+    "reference": ["--model.attention_impl", "reference", "--model.memory_impl", "reference"],
+    "fla": ["--model.memory_impl", "fla"],
 }
+
+
+def variant_args(name: str) -> list[str]:
+    unknown = [s for s in name.split("+") if s not in SWITCHES]
+    if unknown:
+        raise SystemExit(f"variant {name!r}: unknown switch {unknown}; allowed: {', '.join(SWITCHES)}")
+    return [arg for switch in name.split("+") for arg in SWITCHES[switch]]
 
 
 def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
@@ -49,7 +59,7 @@ def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
         "false",
         "--job.dump_folder",
         str(folder),
-        *VARIANTS[name],
+        *variant_args(name),
         *extra,
     ]
     start = time.time()
@@ -84,6 +94,8 @@ def main() -> None:
     parser.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args, extra = parser.parse_known_args()
+    for name in args.variants.split(","):
+        variant_args(name)  # fail before the first run
     extra = [x for x in extra if x != "--"]
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 

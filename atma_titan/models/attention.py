@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.kernels.polar import polar_attention
+from atma_titan.kernels.backends import use_triton
+from atma_titan.kernels.polar import polar_attention, polar_attention_triton
 from atma_titan.kernels.polar.reference import polar_scalars
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import CausalDepthwiseConv, rms_norm, rotary
@@ -79,19 +80,7 @@ class GlobalAttention(nn.Module):
         q, gate, k, v = self.project_qkv(x)
         aux = None
         if a.attention == "polar":
-            c, mag = polar_attention(
-                q,
-                k,
-                v,
-                self.len_gain,
-                self.null_base,
-                self.null_slope,
-                self.mag_beta,
-                self.v_null,
-                window=a.window,
-                block_q=a.attention_block,
-                block_k=a.attention_block,
-            )
+            c, mag = self.polar(q, k, v)
             out = self.o_proj((c * torch.sigmoid(gate)).reshape(B, T, -1)) + self.mu_proj(mag.to(x.dtype))
             if a.distractor_weight > 0 and self.training:
                 aux = a.distractor_weight * self.distractor_loss(q)
@@ -101,6 +90,14 @@ class GlobalAttention(nn.Module):
         if self.memory is not None:
             out = out + self.memory(x, q, k, v)
         return out, aux
+
+    def polar(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Polar core: direction c (B, T, H, D) and count mag (B, T, H), by the configured kernel."""
+        a = self.args
+        scalars = (self.len_gain, self.null_base, self.null_slope, self.mag_beta, self.v_null)
+        if use_triton(a.attention_impl, q.device, "model.attention_impl"):
+            return polar_attention_triton(q, k, v, *scalars, window=a.window)
+        return polar_attention(q, k, v, *scalars, window=a.window, block_q=a.attention_block, block_k=a.attention_block)
 
     def distractor_loss(self, q: torch.Tensor) -> torch.Tensor:
         """Mean softmax mass that R random keys take from the null entry, at each query's own n.

@@ -37,6 +37,8 @@ class ModelArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
     attention_block: int = 128
+    attention_impl: str = "auto"  # auto (Triton on CUDA) | triton | reference
+    memory_impl: str = "auto"  # auto (Triton on CUDA) | triton | reference | fla
 
     def is_global(self, i: int) -> bool:
         return i in self.global_layers
@@ -97,7 +99,13 @@ FLAVORS: dict[str, ModelArgs] = {
     ),
 }
 
-_CHOICES = {"mlp": ("relu2", "swiglu"), "attention": ("polar", "softmax"), "position": ("nope", "rope")}
+_CHOICES = {
+    "mlp": ("relu2", "swiglu"),
+    "attention": ("polar", "softmax"),
+    "position": ("nope", "rope"),
+    "attention_impl": ("auto", "triton", "reference"),
+    "memory_impl": ("auto", "triton", "reference", "fla"),
+}
 
 
 def resolve_model_args(model_cfg) -> ModelArgs:

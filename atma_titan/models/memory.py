@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.kernels.gated_delta import gated_delta_chunked
+from atma_titan.kernels.backends import use_triton
+from atma_titan.kernels.gated_delta import gated_delta_chunked, gated_delta_chunked_fla, gated_delta_chunked_triton
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import rms_norm
 
@@ -30,6 +31,7 @@ class GatedDeltaMemory(nn.Module):
         self.n_heads, self.head_dim = args.n_heads, args.head_dim
         self.log_gamma_max = math.log(args.gamma_max)
         self.chunk = args.memory_chunk
+        self.impl = args.memory_impl
         inner = args.n_heads * args.head_dim
         self.gamma_proj = nn.Linear(args.d_model, args.n_heads)
         self.beta_proj = nn.Linear(args.d_model, args.n_heads)
@@ -44,9 +46,19 @@ class GatedDeltaMemory(nn.Module):
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         log_gamma = F.logsigmoid(self.gamma_proj(x).float() + RETENTION_OFFSET) + self.log_gamma_max
         beta = torch.sigmoid(self.beta_proj(x).float())
-        r, _ = gated_delta_chunked(q, k, v, log_gamma, beta, chunk_size=self.chunk)
+        r = self.recurrence(q, k, v, log_gamma, beta)
         gate = torch.sigmoid(self.gate(x)).view(B, T, H, D)
         return self.proj((rms_norm(r) * gate).reshape(B, T, H * D))
+
+    def recurrence(self, q, k, v, log_gamma, beta) -> torch.Tensor:
+        """r_t = M_t q_t over the whole sequence from a zero state, by the configured kernel."""
+        if self.impl == "fla":
+            r, _ = gated_delta_chunked_fla(q, k, v, log_gamma, beta)
+        elif use_triton(self.impl, q.device, "model.memory_impl"):
+            r, _ = gated_delta_chunked_triton(q, k, v, log_gamma, beta)
+        else:
+            r, _ = gated_delta_chunked(q, k, v, log_gamma, beta, chunk_size=self.chunk)
+        return r
 
     def zero_output(self) -> None:
         nn.init.zeros_(self.proj.weight)

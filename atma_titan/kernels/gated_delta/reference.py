@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["gated_delta_recurrent", "gated_delta_chunked", "gated_delta_step"]
+__all__ = ["gated_delta_recurrent", "gated_delta_chunked", "gated_delta_step", "gated_delta_step_inplace"]
 
 L2_NORM_EPS = 1e-6
 
@@ -214,3 +214,50 @@ def _check_shapes(q, k, v, log_gamma, beta, initial_state) -> None:
     expected_state = (batch, heads, v.shape[-1], key_dim)
     if initial_state is not None and tuple(initial_state.shape) != expected_state:
         raise ValueError(f"initial_state {tuple(initial_state.shape)} must be (B, H, Dv, Dk) = {expected_state}")
+
+
+def gated_delta_step_inplace(
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    normalize_qk: bool = True,
+) -> torch.Tensor:
+    """One decode step on a state pool, in place via index ops (the CPU path of the decode step).
+
+    state_pool (slots, H, Dv, Dk); slots (B,) integer, distinct; q, k (B, H, Dk); v (B, H, Dv);
+    log_gamma, beta (B, H). Rows state_pool[slots] are replaced by the new states; r (B, H, Dv) in
+    v's dtype is returned. Arithmetic in the pool's dtype.
+    """
+    _check_step_shapes(state_pool, slots, q, k, v, log_gamma, beta)
+    dtype = state_pool.dtype
+    q, k, v_, log_gamma, beta = (x.to(dtype) for x in (q, k, v, log_gamma, beta))
+    if normalize_qk:
+        q = F.normalize(q, dim=-1, eps=L2_NORM_EPS)
+        k = F.normalize(k, dim=-1, eps=L2_NORM_EPS)
+    r, new_state = gated_delta_step(state_pool.index_select(0, slots), q, k, v_, log_gamma, beta)
+    state_pool.index_copy_(0, slots, new_state)
+    return r.to(v.dtype)
+
+
+def _check_step_shapes(state_pool, slots, q, k, v, log_gamma, beta) -> None:
+    if state_pool.dim() != 4:
+        raise ValueError(f"state_pool {tuple(state_pool.shape)} must be (slots, H, Dv, Dk)")
+    _, heads, value_dim, key_dim = state_pool.shape
+    batch = slots.shape[0] if slots.dim() == 1 else -1
+    if slots.dim() != 1 or slots.dtype.is_floating_point:
+        raise ValueError(f"slots {tuple(slots.shape)} {slots.dtype} must be a 1-d integer tensor (B,)")
+    expected = {
+        "q": (batch, heads, key_dim),
+        "k": (batch, heads, key_dim),
+        "v": (batch, heads, value_dim),
+        "log_gamma": (batch, heads),
+        "beta": (batch, heads),
+    }
+    for name, x in zip(expected, (q, k, v, log_gamma, beta)):
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(f"{name} {tuple(x.shape)} must be {expected[name]} for this pool and slots")

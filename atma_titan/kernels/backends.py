@@ -1,0 +1,47 @@
+"""Which implementation of a kernel runs: the Triton kernel where it can run, else the PyTorch reference.
+
+`auto` picks Triton on CUDA (when triton is installed) and the reference elsewhere: on CPU the Triton
+interpreter is correct but orders of magnitude slower than the reference, so it is only taken when
+asked for (`triton` with TRITON_INTERPRET=1, as the kernel tests do).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["triton_installed", "triton_runs_on", "use_triton"]
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """True when a Triton kernel can launch on `device`: a GPU, or the CPU under TRITON_INTERPRET=1."""
+    if not triton_installed():
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def use_triton(impl: str, device: torch.device, what: str) -> bool:
+    """Resolve `impl` (auto | triton | reference) for tensors on `device`; `what` names the config key."""
+    if impl == "reference":
+        return False
+    if impl == "auto":
+        return device.type == "cuda" and triton_installed()
+    if impl == "triton":
+        if not triton_runs_on(device):
+            raise RuntimeError(
+                f"{what} = 'triton' cannot run on {device.type}: "
+                + (
+                    "triton is not installed"
+                    if not triton_installed()
+                    else "the Triton kernels need a GPU, or TRITON_INTERPRET=1 on the CPU (slow; for tests)"
+                )
+                + f"; use {what} = 'auto' or 'reference'"
+            )
+        return True
+    raise ValueError(f"{what} = {impl!r} is unknown")

@@ -1,0 +1,647 @@
+"""Triton kernels for the chunked gated delta rule: training forward and backward.
+
+Same recurrence, layout and chunked (WY / UT) derivation as reference.py. Per (batch, head) the
+sequence is cut into chunks of C = 64 tokens; a tail chunk is padded with identity steps
+(q = k = v = 0, beta = 0, log_gamma = 0), which change neither the outputs nor the state.
+
+Forward, three kernels:
+  _prepare_kernel   chunk-parallel: g = cumsum(log_gamma), T = (I + A)^{-1} by forward
+                    substitution in fp32, W = T diag(beta G) K, U~ = T diag(beta) V
+  _state_fwd_kernel sequential over chunks per (batch, head, Dv block): carries the fp32 state S,
+                    stores each chunk's start state and U = U~ - W S^T, returns the final state
+  _output_kernel    chunk-parallel: R = diag(G) Q S^T + (Q K^T * D) U
+
+Backward (the forward's workspaces are recomputed, so only the inputs are kept for it):
+  _dv_local_kernel  chunk-parallel: dU_local = (Q K^T * D)^T dR
+  _state_bwd_kernel reverse over chunks: dS_end (gradient of each chunk's end state),
+                    dU = dU_local + Kd dS_end^T, and dS_start = G_C dS_end + dR^T G Q - dU^T W
+  _grad_kernel      chunk-parallel: dq, dk, dv, dlog_gamma, dbeta, through the UT transform
+                    (X = T B  =>  dB = T^T dX, dA = -dB X^T on the strict lower triangle),
+                    the decays (every use of g, then a reverse cumsum) and the L2 normalisation.
+
+Only the Triton launchers live here; torch.library registration is in ops.py. Importing this
+module imports triton: on CPU that only works with TRITON_INTERPRET=1 set beforehand.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+L2_EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in reference.L2_NORM_EPS
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _tune(configs: list[triton.Config], key: list[str]):
+    """Autotune on a GPU; under the interpreter (where several configs crash) keep the first."""
+    return triton.autotune(configs=configs[:1] if INTERPRET else configs, key=key)
+
+
+def _configs(block_values: list[int], warps: list[int], stages: list[int]) -> list[triton.Config]:
+    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in block_values for w in warps for s in stages]
+
+
+# Under the interpreter the first config is used: BV = 16 so tests with Dv = 32 cover several Dv blocks.
+SEQUENTIAL_CONFIGS = _configs([16, 32, 64], [4, 8], [2, 3]) if INTERPRET else _configs([32, 64], [4, 8], [2, 3])
+PARALLEL_CONFIGS = _configs([16, 64], [4, 8], [2, 3]) if INTERPRET else _configs([64, 128], [4, 8], [2, 3])
+GRAD_CONFIGS = _configs([16, 32], [4, 8], [2]) if INTERPRET else _configs([32, 64], [4, 8], [1, 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers shared by the kernels
+
+
+@triton.jit
+def _normalize_rows(x, NORMALIZE: tl.constexpr):
+    """(x / max(||x||, eps), ||x||, max(||x||, eps)) row-wise, F.normalize's semantics.
+
+    The norms are fp32; the normalised rows stay in x's dtype (a bf16 tile holds half the registers
+    of an fp32 one, and the tensor-core products take bf16 operands anyway)."""
+    wide = x.to(tl.float32)
+    norm = tl.sqrt(tl.sum(wide * wide, axis=1))
+    denom = tl.maximum(norm, L2_EPS)
+    if NORMALIZE:
+        x = (wide / denom[:, None]).to(x.dtype)
+    return x, norm, denom
+
+
+@triton.jit
+def _normalize_rows_backward(x_hat, norm, denom, dx_hat, NORMALIZE: tl.constexpr):
+    """Jacobian of x / max(||x||, eps): (dx^ - x^ (x^ . dx^)) / ||x||, or dx^ / eps below eps."""
+    if NORMALIZE:
+        along = tl.where(norm > L2_EPS, tl.sum(x_hat * dx_hat, axis=1), 0.0)
+        dx_hat = (dx_hat - along[:, None] * x_hat) / denom[:, None]
+    return dx_hat
+
+
+@triton.jit
+def _load_tokens(ptr, b, h, t, t_mask, cols, T, H: tl.constexpr, D: tl.constexpr):
+    """Rows t of a (B, T, H, D) tensor at (b, h) in its own dtype, zero outside the sequence / feature dim."""
+    base = ptr + (b.to(tl.int64) * T * H + h) * D  # scalar 64-bit base, 32-bit offsets within a sequence
+    mask = t_mask[:, None] & (cols < D)[None, :]
+    return tl.load(base + t[:, None] * (H * D) + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tokens(ptr, x, b, h, t, t_mask, cols, T, H: tl.constexpr, D: tl.constexpr):
+    base = ptr + (b.to(tl.int64) * T * H + h) * D
+    mask = t_mask[:, None] & (cols < D)[None, :]
+    tl.store(base + t[:, None] * (H * D) + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_offsets(b, h, t, T, H: tl.constexpr):
+    return ((b * T + t) * H + h).to(tl.int64)
+
+
+@triton.jit
+def _workspace_offsets(bh, t, cols, padded_len, D: tl.constexpr):
+    """Offsets into a head-major (B * H, padded_len, D) workspace."""
+    rows = (bh * padded_len + t).to(tl.int64) * D
+    return rows[:, None] + cols[None, :]
+
+
+@triton.jit
+def _state_offsets(index, v_cols, k_cols, DV: tl.constexpr, DK: tl.constexpr):
+    """Offsets of a (DV, DK) matrix number `index` and its in-bounds mask."""
+    offsets = index.to(tl.int64) * DV * DK + v_cols[:, None] * DK + k_cols[None, :]
+    return offsets, (v_cols < DV)[:, None] & (k_cols < DK)[None, :]
+
+
+@triton.jit
+def _decay_matrix(g, rows, STRICT: tl.constexpr):
+    """exp(g_t - g_s) for s < t (STRICT) or s <= t, else 0; masked in log space so nothing overflows."""
+    if STRICT:
+        keep = rows[:, None] > rows[None, :]
+    else:
+        keep = rows[:, None] >= rows[None, :]
+    return tl.exp(tl.where(keep, g[:, None] - g[None, :], float("-inf")))
+
+
+@triton.jit
+def _unit_lower_inverse(a, rows, C: tl.constexpr):
+    """(I + a)^{-1} for a strictly lower triangular a, by forward substitution row by row in fp32:
+    row i of the inverse is e_i - sum_{j<i} a_ij (row j), and rows j < i are final when i is reached."""
+    inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, C):
+        a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # a[i, :], indexed by j
+        update = tl.sum(a_row[:, None] * inverse, axis=0)  # sum_j a_ij inverse[j, :]
+        inverse = tl.where(rows[:, None] == i, inverse - update[None, :], inverse)
+    return inverse
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward kernels
+
+
+@triton.jit
+def _prepare_kernel(
+    k_ptr,
+    v_ptr,
+    log_gamma_ptr,
+    beta_ptr,
+    g_ptr,
+    inverse_ptr,
+    w_ptr,
+    u_tilde_ptr,
+    T,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BVF: tl.constexpr,
+    C: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    n_chunks = tl.cdiv(T, C)
+    padded_len = n_chunks * C
+    rows = tl.arange(0, C)
+    t = n * C + rows
+    t_mask = t < T
+    k_cols, v_cols = tl.arange(0, BK), tl.arange(0, BVF)
+    DT = w_ptr.dtype.element_ty
+
+    gates = _gate_offsets(b, h, t, T, H)
+    log_gamma = tl.load(log_gamma_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
+    g = tl.cumsum(log_gamma, axis=0)
+    tl.store(g_ptr + bh.to(tl.int64) * padded_len + t, g)
+
+    k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+    k_dt = k.to(DT)
+    key_overlap = tl.dot(k_dt, tl.trans(k_dt), input_precision=PREC)
+    a = beta[:, None] * key_overlap * _decay_matrix(g, rows, True)
+    inverse = _unit_lower_inverse(a, rows, C)
+    square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
+    tl.store(inverse_ptr + square, inverse)
+
+    inverse_dt = inverse.to(DT)
+    w = tl.dot(inverse_dt, (k * (beta * tl.exp(g))[:, None]).to(DT), input_precision=PREC)
+    tl.store(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), w.to(DT), mask=(k_cols < DK)[None, :])
+    v = _load_tokens(v_ptr, b, h, t, t_mask, v_cols, T, H, DV)
+    u_tilde = tl.dot(inverse_dt, (v * beta[:, None]).to(DT), input_precision=PREC)
+    tl.store(
+        u_tilde_ptr + _workspace_offsets(bh, t, v_cols, padded_len, DV), u_tilde.to(DT), mask=(v_cols < DV)[None, :]
+    )
+
+
+@_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@triton.jit
+def _state_fwd_kernel(
+    k_ptr,
+    g_ptr,
+    w_ptr,
+    u_tilde_ptr,
+    u_ptr,
+    states_ptr,
+    initial_ptr,
+    final_ptr,
+    T,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    HAS_INITIAL: tl.constexpr,
+    PREC: tl.constexpr,
+    BV: tl.constexpr,
+):
+    vb, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    n_chunks = tl.cdiv(T, C)
+    padded_len = n_chunks * C
+    rows = tl.arange(0, C)
+    k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    v_in = (v_cols < DV)[None, :]
+    DT = w_ptr.dtype.element_ty
+
+    here, state_mask = _state_offsets(bh, v_cols, k_cols, DV, DK)
+    if HAS_INITIAL:
+        state = tl.load(initial_ptr + here, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BV, BK], dtype=tl.float32)
+
+    for n in range(n_chunks):
+        chunk_state, _ = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
+        tl.store(states_ptr + chunk_state, state.to(DT), mask=state_mask)
+        t = n * C + rows
+        k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t < T, k_cols, T, H, DK), NORMALIZE)
+        g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+        g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
+        w = tl.load(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
+        value_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
+        u_tilde = tl.load(u_tilde_ptr + value_offsets, mask=v_in, other=0.0).to(tl.float32)
+
+        u = (u_tilde - tl.dot(w, tl.trans(state.to(DT)), input_precision=PREC)).to(DT)  # the deltas, (C, BV)
+        tl.store(u_ptr + value_offsets, u, mask=v_in)
+        k_to_end = (k * tl.exp(g_end - g)[:, None]).to(DT)
+        state = state * tl.exp(g_end) + tl.dot(tl.trans(u), k_to_end, input_precision=PREC)
+
+    tl.store(final_ptr + here, state, mask=state_mask)
+
+
+@_tune(PARALLEL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@triton.jit
+def _output_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    u_ptr,
+    states_ptr,
+    r_ptr,
+    T,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    PREC: tl.constexpr,
+    BV: tl.constexpr,
+):
+    n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    n_chunks = tl.cdiv(T, C)
+    padded_len = n_chunks * C
+    rows = tl.arange(0, C)
+    t = n * C + rows
+    t_mask = t < T
+    k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    DT = u_ptr.dtype.element_ty
+
+    q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+    k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+    q, k = q.to(DT), k.to(DT)
+    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+    chunk_state, state_mask = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
+    state = tl.load(states_ptr + chunk_state, mask=state_mask, other=0.0)
+    u_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
+    u = tl.load(u_ptr + u_offsets, mask=(v_cols < DV)[None, :], other=0.0)
+
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * _decay_matrix(g, rows, False)
+    from_state = tl.dot(q, tl.trans(state), input_precision=PREC)
+    r = tl.exp(g)[:, None] * from_state + tl.dot(scores.to(DT), u, input_precision=PREC)
+    _store_tokens(r_ptr, r, b, h, t, t_mask, v_cols, T, H, DV)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward kernels
+
+
+@_tune(PARALLEL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@triton.jit
+def _dv_local_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    dr_ptr,
+    du_local_ptr,
+    T,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    PREC: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """dU_local = (Q K^T * D)^T dR: the intra-chunk part of the deltas' gradient."""
+    n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = bh // H, bh % H
+    padded_len = tl.cdiv(T, C) * C
+    rows = tl.arange(0, C)
+    t = n * C + rows
+    t_mask = t < T
+    k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    DT = q_ptr.dtype.element_ty
+
+    q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+    k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+    scores = tl.dot(q.to(DT), tl.trans(k.to(DT)), input_precision=PREC) * _decay_matrix(g, rows, False)
+    dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
+    du_local = tl.dot(tl.trans(scores.to(DT)), dr, input_precision=PREC)
+    tl.store(du_local_ptr + _workspace_offsets(bh, t, v_cols, padded_len, DV), du_local, mask=(v_cols < DV)[None, :])
+
+
+@_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@triton.jit
+def _state_bwd_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    w_ptr,
+    dr_ptr,
+    du_local_ptr,
+    du_ptr,
+    dstates_ptr,
+    dfinal_ptr,
+    dinitial_ptr,
+    T,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    PREC: tl.constexpr,
+    BV: tl.constexpr,
+):
+    vb, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    n_chunks = tl.cdiv(T, C)
+    padded_len = n_chunks * C
+    rows = tl.arange(0, C)
+    k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
+    v_in = (v_cols < DV)[None, :]
+    DT = w_ptr.dtype.element_ty
+
+    here, state_mask = _state_offsets(bh, v_cols, k_cols, DV, DK)
+    dstate = tl.load(dfinal_ptr + here, mask=state_mask, other=0.0).to(tl.float32)  # d(end state of chunk n)
+
+    for i in range(n_chunks):
+        n = n_chunks - 1 - i
+        chunk_state, _ = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
+        tl.store(dstates_ptr + chunk_state, dstate.to(DT), mask=state_mask)
+        t = n * C + rows
+        t_mask = t < T
+        q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+        k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+        g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+        g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
+        w = tl.load(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
+        dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
+        value_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
+        du_local = tl.load(du_local_ptr + value_offsets, mask=v_in, other=0.0)
+
+        k_to_end = (k * tl.exp(g_end - g)[:, None]).to(DT)
+        du = du_local + tl.dot(k_to_end, tl.trans(dstate.to(DT)), input_precision=PREC)  # (C, BV)
+        tl.store(du_ptr + value_offsets, du, mask=v_in)
+        q_from_start = (q * tl.exp(g)[:, None]).to(DT)
+        dstate = (
+            dstate * tl.exp(g_end)
+            + tl.dot(tl.trans(dr), q_from_start, input_precision=PREC)
+            - tl.dot(tl.trans(du.to(DT)), w, input_precision=PREC)
+        )
+
+    tl.store(dinitial_ptr + here, dstate, mask=state_mask)
+
+
+@_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@triton.jit
+def _grad_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    inverse_ptr,
+    w_ptr,
+    u_tilde_ptr,
+    u_ptr,
+    du_ptr,
+    states_ptr,
+    dstates_ptr,
+    dr_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    dlog_gamma_ptr,
+    dbeta_ptr,
+    T,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    PREC: tl.constexpr,
+    BV: tl.constexpr,
+):
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    n_chunks = tl.cdiv(T, C)
+    padded_len = n_chunks * C
+    rows = tl.arange(0, C)
+    t = n * C + rows
+    t_mask = t < T
+    k_cols = tl.arange(0, BK)
+    DT = w_ptr.dtype.element_ty
+
+    gates = _gate_offsets(b, h, t, T, H)
+    beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+    g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
+    square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
+    inverse_t = tl.trans(tl.load(inverse_ptr + square)).to(DT)  # T^T
+
+    # Everything that sums over the value dimension, one Dv block at a time.
+    d_qs = tl.zeros([C, BK], dtype=tl.float32)  # dR S: gradient of Q S^T's Q
+    dw = tl.zeros([C, BK], dtype=tl.float32)  # -dU S
+    d_k_to_end = tl.zeros([C, BK], dtype=tl.float32)  # U dS_end
+    d_scores = tl.zeros([C, C], dtype=tl.float32)  # dR U^T
+    minus_da_values = tl.zeros([C, C], dtype=tl.float32)  # dB_V U~^T
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    state_dot_dstate = tl.zeros([BK], dtype=tl.float32)  # sum(S * dS_end) over Dv, for d g_end through G_C S
+    for v0 in range(0, DV, BV):
+        v_cols = v0 + tl.arange(0, BV)
+        v_in = (v_cols < DV)[None, :]
+        chunk_state, state_mask = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
+        state = tl.load(states_ptr + chunk_state, mask=state_mask, other=0.0)
+        dstate = tl.load(dstates_ptr + chunk_state, mask=state_mask, other=0.0)
+        value_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
+        u = tl.load(u_ptr + value_offsets, mask=v_in, other=0.0)
+        u_tilde = tl.load(u_tilde_ptr + value_offsets, mask=v_in, other=0.0)
+        du = tl.load(du_ptr + value_offsets, mask=v_in, other=0.0).to(DT)
+        dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
+
+        d_qs += tl.dot(dr, state, input_precision=PREC)
+        dw -= tl.dot(du, state, input_precision=PREC)
+        d_k_to_end += tl.dot(u, dstate, input_precision=PREC)
+        d_scores += tl.dot(dr, tl.trans(u), input_precision=PREC)
+        state_dot_dstate += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=0)
+        d_rhs_values = tl.dot(inverse_t, du, input_precision=PREC)  # dB_V = T^T dU~, and dU~ = dU
+        minus_da_values += tl.dot(d_rhs_values.to(DT), tl.trans(u_tilde), input_precision=PREC)
+        v = _load_tokens(v_ptr, b, h, t, t_mask, v_cols, T, H, DV)
+        dbeta += tl.sum(v * d_rhs_values, axis=1)
+        _store_tokens(dv_ptr, beta[:, None] * d_rhs_values, b, h, t, t_mask, v_cols, T, H, DV)
+
+    q_raw = _load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK)
+    k_raw = _load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK)
+    q, q_norm, q_denom = _normalize_rows(q_raw, NORMALIZE)
+    k, k_norm, k_denom = _normalize_rows(k_raw, NORMALIZE)
+    q_dt, k_dt = q.to(DT), k.to(DT)
+    w = tl.load(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
+    decay = tl.exp(g)
+    to_end = tl.exp(g_end - g)
+    causal = _decay_matrix(g, rows, False)
+    strict = _decay_matrix(g, rows, True)
+
+    # UT transform: W = T diag(beta G) K, so dB_K = T^T dW; dA = -(dB X^T) on the strict lower triangle.
+    d_rhs_keys = tl.dot(inverse_t, dw.to(DT), input_precision=PREC)
+    key_overlap = tl.dot(k_dt, tl.trans(k_dt), input_precision=PREC) * strict  # k_t.k_s exp(g_t - g_s), s < t
+    da = -(minus_da_values + tl.dot(d_rhs_keys.to(DT), tl.trans(w), input_precision=PREC))
+    da = tl.where(rows[:, None] > rows[None, :], da, 0.0)
+    d_overlap = da * beta[:, None] * strict  # gradient of k_t.k_s through A
+
+    # Output: R = diag(G) Q S^T + (Q K^T * D) U.
+    scores = tl.dot(q_dt, tl.trans(k_dt), input_precision=PREC) * causal
+    d_scores_decayed = (d_scores * causal).to(DT)
+    dq = decay[:, None] * d_qs + tl.dot(d_scores_decayed, k_dt, input_precision=PREC)
+    dk = (
+        tl.dot(tl.trans(d_scores_decayed), q_dt, input_precision=PREC)
+        + to_end[:, None] * d_k_to_end
+        + (beta * decay)[:, None] * d_rhs_keys
+        + tl.dot(d_overlap.to(DT), k_dt, input_precision=PREC)
+        + tl.dot(tl.trans(d_overlap.to(DT)), k_dt, input_precision=PREC)
+    )
+    keys_dot_d_rhs = tl.sum(k * d_rhs_keys, axis=1)
+    dbeta += decay * keys_dot_d_rhs + tl.sum(da * key_overlap, axis=1)
+
+    # Every place g appears, then g_t = cumsum(log_gamma) turns into a reverse cumsum.
+    through_scores = d_scores * scores
+    through_a = da * beta[:, None] * key_overlap
+    through_to_end = to_end * tl.sum(k * d_k_to_end, axis=1)
+    dg = (
+        decay * tl.sum(q * d_qs, axis=1)
+        + tl.sum(through_scores, axis=1)
+        - tl.sum(through_scores, axis=0)
+        + tl.sum(through_a, axis=1)
+        - tl.sum(through_a, axis=0)
+        - through_to_end
+        + beta * decay * keys_dot_d_rhs
+    )
+    dg_end = tl.exp(g_end) * tl.sum(state_dot_dstate, axis=0) + tl.sum(through_to_end, axis=0)
+    dg += tl.where(rows == C - 1, dg_end, 0.0)
+    dlog_gamma = tl.sum(dg, axis=0) - tl.cumsum(dg, axis=0) + dg
+
+    tl.store(dlog_gamma_ptr + gates, dlog_gamma.to(dlog_gamma_ptr.dtype.element_ty), mask=t_mask)
+    tl.store(dbeta_ptr + gates, dbeta.to(dbeta_ptr.dtype.element_ty), mask=t_mask)
+    dq = _normalize_rows_backward(q, q_norm, q_denom, dq, NORMALIZE)
+    dk = _normalize_rows_backward(k, k_norm, k_denom, dk, NORMALIZE)
+    _store_tokens(dq_ptr, dq, b, h, t, t_mask, k_cols, T, H, DK)
+    _store_tokens(dk_ptr, dk, b, h, t, t_mask, k_cols, T, H, DK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _dot_setup(q: torch.Tensor) -> tuple[torch.dtype, str]:
+    """Operand dtype of the tensor-core products and their precision mode."""
+    if q.dtype in (torch.bfloat16, torch.float16):
+        return q.dtype, "tf32"  # ignored for half operands
+    if q.dtype == torch.float32:
+        return torch.float32, "ieee"
+    raise TypeError(f"the Triton gated delta kernels take bf16, fp16 or fp32 inputs, got {q.dtype}")
+
+
+def _dims(q: torch.Tensor, v: torch.Tensor) -> dict:
+    batch, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    return {
+        "batch": batch,
+        "seq_len": seq_len,
+        "heads": heads,
+        "key_dim": key_dim,
+        "value_dim": value_dim,
+        "n_chunks": triton.cdiv(seq_len, CHUNK),
+        "bk": max(16, triton.next_power_of_2(key_dim)),
+        "bv_full": max(16, triton.next_power_of_2(value_dim)),
+    }
+
+
+def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool):
+    """Run _prepare_kernel and _state_fwd_kernel; everything the output and the backward need."""
+    d = _dims(q, v)
+    dot_dtype, prec = _dot_setup(q)
+    bh, n_chunks = d["batch"] * d["heads"], d["n_chunks"]
+    padded_len = n_chunks * CHUNK
+    device = q.device
+    ws = {
+        "g": torch.empty(bh, padded_len, device=device, dtype=torch.float32),
+        "inverse": torch.empty(bh, n_chunks, CHUNK, CHUNK, device=device, dtype=torch.float32),
+        "w": torch.empty(bh, padded_len, d["key_dim"], device=device, dtype=dot_dtype),
+        "u_tilde": torch.empty(bh, padded_len, d["value_dim"], device=device, dtype=dot_dtype),
+        "u": torch.empty(bh, padded_len, d["value_dim"], device=device, dtype=dot_dtype),
+        "states": torch.empty(bh, n_chunks, d["value_dim"], d["key_dim"], device=device, dtype=dot_dtype),
+    }
+    final_state = torch.empty(d["batch"], d["heads"], d["value_dim"], d["key_dim"], device=device, dtype=torch.float32)
+    common = {"H": d["heads"], "DK": d["key_dim"], "DV": d["value_dim"], "BK": d["bk"], "C": CHUNK}
+    _prepare_kernel[(n_chunks, bh)](
+        k, v, log_gamma, beta, ws["g"], ws["inverse"], ws["w"], ws["u_tilde"], d["seq_len"],
+        BVF=d["bv_full"], NORMALIZE=normalize_qk, PREC=prec, num_warps=8, **common,
+    )  # fmt: skip
+    _state_fwd_kernel[lambda meta: (triton.cdiv(d["value_dim"], meta["BV"]), bh)](
+        k, ws["g"], ws["w"], ws["u_tilde"], ws["u"], ws["states"],
+        initial_state if initial_state is not None else final_state, final_state, d["seq_len"],
+        NORMALIZE=normalize_qk, HAS_INITIAL=initial_state is not None, PREC=prec, **common,
+    )  # fmt: skip
+    return d, ws, final_state, common, prec
+
+
+def _contiguous(*tensors):
+    return [None if x is None else x.contiguous() for x in tensors]
+
+
+def chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool):
+    """(r (B, T, H, Dv) in v's dtype, final_state (B, H, Dv, Dk) fp32)."""
+    q, k, v, log_gamma, beta, initial_state = _contiguous(q, k, v, log_gamma, beta, initial_state)
+    batch, seq_len, heads, key_dim = q.shape
+    if seq_len == 0:
+        return _empty_sequence(q, v, initial_state)
+    d, ws, final_state, common, prec = _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+    r = torch.empty_like(v)
+    _output_kernel[lambda meta: (d["n_chunks"], batch * heads, triton.cdiv(d["value_dim"], meta["BV"]))](
+        q, k, ws["g"], ws["u"], ws["states"], r, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common
+    )
+    return r, final_state
+
+
+def chunk_backward(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normalize_qk: bool):
+    """Gradients (dq, dk, dv, dlog_gamma, dbeta, dinitial_state fp32) of chunk_forward."""
+    q, k, v, log_gamma, beta, initial_state, dr, dfinal = _contiguous(
+        q, k, v, log_gamma, beta, initial_state, dr, dfinal
+    )
+    batch, seq_len, heads, key_dim = q.shape
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dlog_gamma, dbeta = torch.empty_like(log_gamma), torch.empty_like(beta)
+    if seq_len == 0:
+        return dq, dk, dv, dlog_gamma, dbeta, dfinal.float().clone()
+    d, ws, _, common, prec = _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+    bh, n_chunks = batch * heads, d["n_chunks"]
+    du_local = torch.empty(ws["u"].shape, device=q.device, dtype=torch.float32)
+    du = torch.empty_like(du_local)
+    dstates = torch.empty_like(ws["states"])
+    dinitial = torch.empty_like(dfinal, dtype=torch.float32)
+
+    _dv_local_kernel[lambda meta: (n_chunks, bh, triton.cdiv(d["value_dim"], meta["BV"]))](
+        q, k, ws["g"], dr, du_local, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common
+    )
+    _state_bwd_kernel[lambda meta: (triton.cdiv(d["value_dim"], meta["BV"]), bh)](
+        q, k, ws["g"], ws["w"], dr, du_local, du, dstates, dfinal, dinitial, seq_len,
+        NORMALIZE=normalize_qk, PREC=prec, **common,
+    )  # fmt: skip
+    _grad_kernel[(n_chunks, bh)](
+        q, k, v, beta, ws["g"], ws["inverse"], ws["w"], ws["u_tilde"], ws["u"], du, ws["states"], dstates, dr,
+        dq, dk, dv, dlog_gamma, dbeta, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common,
+    )  # fmt: skip
+    return dq, dk, dv, dlog_gamma, dbeta, dinitial
+
+
+def _empty_sequence(q, v, initial_state):
+    batch, _, heads, key_dim = q.shape
+    if initial_state is None:
+        final_state = q.new_zeros(batch, heads, v.shape[-1], key_dim, dtype=torch.float32)
+    else:
+        final_state = initial_state.float().clone()
+    return torch.empty_like(v), final_state

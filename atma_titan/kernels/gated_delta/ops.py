@@ -1,0 +1,227 @@
+"""torch.library registration of the gated delta Triton kernels, and the public entry points.
+
+Registered ops (custom_op everywhere: it compiles with fullgraph=True on CUDA and on CPU, where a
+triton_op would make Inductor try to build the kernel):
+
+    atma::gated_delta_chunk_fwd(q, k, v, log_gamma, beta, initial_state?, normalize_qk) -> (r, final_state)
+    atma::gated_delta_chunk_bwd(q, k, v, log_gamma, beta, initial_state?, dr, dfinal, normalize_qk)
+        -> (dq, dk, dv, dlog_gamma, dbeta, dinitial_state)
+    atma::gated_delta_step(state_pool!, slots, q, k, v, log_gamma, beta, normalize_qk) -> r
+
+Triton is imported only when a kernel first runs, so importing this module (and the model) never
+needs triton. On CPU the chunked kernels run only under TRITON_INTERPRET=1 (set before triton is
+imported); the decode step falls back to the PyTorch in-place reference there.
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+from atma_titan.kernels.gated_delta.reference import (
+    _check_shapes,
+    _check_step_shapes,
+    gated_delta_step_inplace,
+)
+
+__all__ = ["gated_delta_chunked_triton", "gated_delta_step_", "gated_delta_chunked_fla"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _require_triton_device(x: torch.Tensor) -> None:
+    if x.device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"the Triton gated delta kernels need a CUDA tensor (got {x.device}); on CPU use the PyTorch "
+            "reference atma_titan.kernels.gated_delta.gated_delta_chunked, or set TRITON_INTERPRET=1 "
+            "before triton is imported to run the kernels in the Triton interpreter"
+        )
+
+
+def _chunked_kernels():
+    from atma_titan.kernels.gated_delta import chunked
+
+    return chunked
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked op (training / prefill)
+
+
+@torch.library.custom_op("atma::gated_delta_chunk_fwd", mutates_args=())
+def _chunk_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor],
+    normalize_qk: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _require_triton_device(q)
+    return _chunked_kernels().chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+
+
+@_chunk_fwd.register_fake
+def _chunk_fwd_fake(q, k, v, log_gamma, beta, initial_state, normalize_qk):
+    batch, _, heads, key_dim = q.shape
+    final_state = q.new_empty(batch, heads, v.shape[-1], key_dim, dtype=torch.float32)
+    return torch.empty_like(v), final_state
+
+
+@torch.library.custom_op("atma::gated_delta_chunk_bwd", mutates_args=())
+def _chunk_bwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: Optional[torch.Tensor],
+    dr: torch.Tensor,
+    dfinal: torch.Tensor,
+    normalize_qk: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _require_triton_device(q)
+    return _chunked_kernels().chunk_backward(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normalize_qk)
+
+
+@_chunk_bwd.register_fake
+def _chunk_bwd_fake(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normalize_qk):
+    like = (torch.empty_like(x) for x in (q, k, v, log_gamma, beta))
+    return (*like, torch.empty_like(dfinal, dtype=torch.float32))
+
+
+def _chunk_setup_context(ctx, inputs, output):
+    q, k, v, log_gamma, beta, initial_state, normalize_qk = inputs
+    ctx.save_for_backward(q, k, v, log_gamma, beta, initial_state)
+    ctx.normalize_qk = normalize_qk
+    ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+
+
+def _chunk_backward(ctx, dr, dfinal):
+    q, k, v, log_gamma, beta, initial_state = ctx.saved_tensors
+    if dr is None:
+        dr = torch.zeros_like(v)
+    if dfinal is None:
+        dfinal = q.new_zeros(q.shape[0], q.shape[2], v.shape[-1], q.shape[-1], dtype=torch.float32)
+    dq, dk, dv, dlog_gamma, dbeta, dinitial = torch.ops.atma.gated_delta_chunk_bwd(
+        q, k, v, log_gamma, beta, initial_state, dr, dfinal, ctx.normalize_qk
+    )
+    dinitial = None if ctx.initial_dtype is None else dinitial.to(ctx.initial_dtype)
+    return dq, dk, dv, dlog_gamma, dbeta, dinitial, None
+
+
+_chunk_fwd.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
+
+
+def gated_delta_chunked_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    normalize_qk: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton chunked gated delta rule (chunk 64); same arguments and results as
+    reference.gated_delta_chunked, differentiable in every input including initial_state.
+
+    q, k, v share one dtype (bf16, fp16 or fp32); r comes back in it, final_state in fp32.
+    """
+    _check_shapes(q, k, v, log_gamma, beta, initial_state)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return torch.ops.atma.gated_delta_chunk_fwd(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode step (in place on a state pool)
+
+
+@torch.library.custom_op("atma::gated_delta_step", mutates_args=("state_pool",))
+def _step(
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    normalize_qk: bool,
+) -> torch.Tensor:
+    if state_pool.device.type == "cuda" or _interpreting():
+        from atma_titan.kernels.gated_delta.step import step_inplace
+
+        return step_inplace(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk)
+    return gated_delta_step_inplace(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk=normalize_qk)
+
+
+@_step.register_fake
+def _step_fake(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk):
+    return torch.empty_like(v)
+
+
+def gated_delta_step_(
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    normalize_qk: bool = True,
+) -> torch.Tensor:
+    """One decode token: state_pool[slots[b]] (fp32, (slots, H, Dv, Dk)) is updated in place and
+    r (B, H, Dv) = M_new q is returned. q, k (B, H, Dk); v (B, H, Dv); log_gamma, beta (B, H).
+
+    Triton on CUDA (CUDA-graph friendly); on CPU the Triton interpreter when TRITON_INTERPRET=1,
+    else the PyTorch path (reference.gated_delta_step_inplace). Slots must be distinct.
+    """
+    _check_step_shapes(state_pool, slots, q, k, v, log_gamma, beta)
+    return torch.ops.atma.gated_delta_step(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash-linear-attention backend (benchmarks, model.memory_impl = "fla")
+
+
+def gated_delta_chunked_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    normalize_qk: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunk_gated_delta_rule with our conventions (only if fla-core happens to be installed).
+
+    fla reads r_t = scale * S_t^T q_t with its state S as (B, H, Dk, Dv): we pass scale = 1 and
+    transpose the state both ways. Its g is our log_gamma.
+    """
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as error:
+        raise ImportError(
+            "gated_delta_chunked_fla needs flash-linear-attention (pip install fla-core); "
+            "use gated_delta_chunked_triton or the reference gated_delta_chunked instead"
+        ) from error
+    _check_shapes(q, k, v, log_gamma, beta, initial_state)
+    fla_initial = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
+    r, final_state = chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=log_gamma.float(),
+        beta=beta,
+        scale=1.0,
+        initial_state=fla_initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=normalize_qk,
+    )
+    return r.to(v.dtype), final_state.transpose(-1, -2)

@@ -1,0 +1,132 @@
+"""torch.library registration of the fused Polar attention kernel.
+
+Two custom ops, so `torch.compile(fullgraph=True)` sees one opaque node each way (on CUDA, and on
+CPU under TRITON_INTERPRET=1):
+
+- `atma::polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)`
+  -> (c, mag, lse, n_eff, s_norm): outputs in q's dtype plus fp32 (B, H, Tq) statistics.
+- `atma::polar_attention_bwd(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null,
+  c, lse, n_eff, s_norm, window)` -> the eight input gradients.
+
+Triton is imported on the first call only, so importing this module works on machines without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from atma_titan.kernels.polar.reference import _check_inputs
+
+__all__ = ["polar_attention_triton"]
+
+
+def _check_head_dim(d: int) -> None:
+    # tl.arange needs a power of two and tl.dot an inner dimension of at least 16
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"the Triton Polar kernel needs a power-of-two head_dim in [16, 256], got {d}")
+
+
+def _kernels(device: torch.device):
+    """The Triton module, after checking it can run on `device`."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "the Triton Polar attention kernel runs on CPU only under TRITON_INTERPRET=1 (set before triton is "
+            "imported); use atma_titan.kernels.polar.polar_attention (the PyTorch reference) on CPU instead"
+        )
+    try:
+        from atma_titan.kernels.polar import triton_kernels
+    except ImportError as err:  # pragma: no cover - depends on the machine
+        raise RuntimeError("the Triton Polar attention kernel needs triton; use polar_attention instead") from err
+    if device.type == "cpu" and not triton_kernels.INTERPRET:
+        raise RuntimeError("triton_kernels was imported before TRITON_INTERPRET=1 was set; set it before importing")
+    return triton_kernels
+
+
+@torch.library.custom_op("atma::polar_attention_fwd", mutates_args=())
+def polar_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    len_gain: Tensor,
+    null_base: Tensor,
+    null_slope: Tensor,
+    mag_beta: Tensor,
+    v_null: Tensor,
+    window: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kernels(q.device).polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+
+
+@polar_attention_fwd.register_fake
+def _(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window):
+    b, tq, h, _ = q.shape
+    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(3)]
+    return (q.new_empty(q.shape), q.new_empty(b, tq, h), *stats)
+
+
+@torch.library.custom_op("atma::polar_attention_bwd", mutates_args=())
+def polar_attention_bwd(
+    g_c: Tensor,
+    g_mag: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    len_gain: Tensor,
+    null_base: Tensor,
+    null_slope: Tensor,
+    mag_beta: Tensor,
+    v_null: Tensor,
+    c: Tensor,
+    lse: Tensor,
+    n_eff: Tensor,
+    s_norm: Tensor,
+    window: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    kernels = _kernels(q.device)
+    grads = kernels.polar_backward(
+        g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm,
+        window,
+    )  # fmt: skip
+    params = (len_gain, null_base, null_slope, mag_beta, v_null)
+    return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
+
+
+@polar_attention_bwd.register_fake
+def _(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, len_gain, null_base, null_slope, mag_beta, v_null))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window = inputs
+    c, _, lse, n_eff, s_norm = output
+    ctx.mark_non_differentiable(lse, n_eff, s_norm)
+    ctx.save_for_backward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm)
+    ctx.window = window
+
+
+def _backward(ctx, g_c, g_mag, *_stat_grads):
+    saved = ctx.saved_tensors
+    c = saved[8]
+    g_c = torch.zeros_like(c) if g_c is None else g_c
+    g_mag = c.new_zeros(c.shape[:3]) if g_mag is None else g_mag
+    grads = torch.ops.atma.polar_attention_bwd(g_c, g_mag, *saved, ctx.window)
+    return (*grads, None)
+
+
+polar_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def polar_attention_triton(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0):
+    """Fused Polar attention (same contract as `polar_attention`): returns c (B, Tq, H, D), mag (B, Tq, H).
+
+    q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk (queries are the last Tq positions);
+    len_gain, null_base, null_slope, mag_beta (H,); v_null (H, D). head_dim must be a power of two
+    in [16, 256]. CUDA, or CPU under TRITON_INTERPRET=1.
+    """
+    _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    _check_head_dim(q.shape[-1])
+    c, mag, *_ = torch.ops.atma.polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    return c, mag

@@ -1,0 +1,865 @@
+"""Fused Polar attention in Triton: forward, backward preamble, dq and dk/dv kernels.
+
+The kernels compute exactly what the streaming reference (`reference.py`) computes; read its module
+docstring for the math. Conventions shared by every kernel here:
+
+- q, g_acc, c: (B, Tq, H, D); k, v: (B, Tk, Hkv, D), last dimension contiguous. Query head h reads
+  KV head h // GROUP directly (no repeated K/V). Query row i sits at key position Tk - Tq + i.
+- Per-query statistics are fp32 (B, H, Tq) contiguous.
+- Logits are handled in base 2: a2 = q.k * temp * scale * log2(e), so the softmax uses exp2.
+- Key (or query) tiles are visited in three segments: tiles cut by the window's lower edge (masked),
+  tiles every query of the block sees (no mask), and the causal diagonal / ragged tail (masked).
+  Tiles with no visible entry are never visited.
+- Per-head scalars arrive already transformed (softplus etc. done in PyTorch), as fp32 (H,) tensors.
+
+Everything is reduced in fp32; only tl.dot operands are in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# constexpr globals: the only kind a @triton.jit function may read
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+NORM_EPS = tl.constexpr(1e-6)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Autotune configurations: one small config under the interpreter (several crash it there)
+# ----------------------------------------------------------------------------------------------
+
+
+def _configs(cuda_choices, interpret_choice):
+    """Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK) tuples.
+
+    SPLIT_MASK: separate loops for masked and fully visible tiles (no mask arithmetic on most tiles), or
+    one masked loop (less code for the register allocator; it can spill less).
+    """
+    choices = [interpret_choice] if INTERPRET else cuda_choices
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_MASK": split}, num_warps=w, num_stages=s)
+        for bm, bn, w, s, split in choices
+    ]
+
+
+FWD_CONFIGS = _configs(
+    [
+        (128, 64, 8, 3, True),
+        (128, 128, 8, 3, True),
+        (128, 64, 8, 4, True),
+        (128, 128, 8, 2, True),
+        (64, 64, 4, 3, True),
+        (128, 64, 8, 3, False),
+        (128, 128, 8, 3, False),
+    ],
+    (16, 16, 1, 1, True),
+)
+# dk/dv: BLOCK_N keys per program, BLOCK_M queries per step
+DKDV_CONFIGS = _configs(
+    [
+        (32, 128, 8, 2, True),
+        (64, 128, 8, 2, True),
+        (64, 64, 8, 2, True),
+        (32, 64, 4, 3, True),
+        (32, 128, 8, 2, False),
+        (64, 64, 8, 2, False),
+        (64, 128, 8, 2, False),
+    ],
+    (16, 16, 1, 1, True),
+)
+# dq: BLOCK_M queries per program, BLOCK_N keys per step
+DQ_CONFIGS = _configs(
+    [
+        (128, 32, 8, 2, True),
+        (128, 64, 8, 2, True),
+        (128, 64, 8, 3, True),
+        (64, 64, 4, 3, True),
+        (128, 32, 8, 2, False),
+        (128, 64, 8, 2, False),
+    ],
+    (16, 16, 1, 1, True),
+)
+PREAMBLE_BLOCK_M = 16
+PREAMBLE_WARPS = 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Small scalar helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _visible_counts(q_pos, window):
+    """n_i = pos_i + 1 keys, at most `window` of them when window > 0 (fp32)."""
+    n = q_pos + 1
+    n = tl.where(window > 0, tl.minimum(n, window), n)
+    return n.to(tl.float32)
+
+
+@triton.jit
+def _sigmoid(x):
+    """Overflow-free logistic function."""
+    z = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
+
+
+@triton.jit
+def _log1p(x):
+    """log(1 + x) that keeps its relative precision for tiny x (x >= 0)."""
+    u = 1.0 + x
+    tiny = u == 1.0
+    return tl.where(tiny, x, tl.log(u) * (x / tl.where(tiny, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _tanh_nonneg(x):
+    """tanh for x >= 0 without libdevice; a series below 1e-2 keeps small values exact."""
+    e = tl.exp(-2.0 * x)
+    series = x * (1.0 - x * x * (1.0 / 3.0 - x * x * (2.0 / 15.0)))
+    return tl.where(x < 1e-2, series, (1.0 - e) / (1.0 + e))
+
+
+@triton.jit
+def _visibility(q_pos, k_pos, window):
+    """(M, N) bool from (M, 1) query and (1, N) key positions: causal, optionally windowed."""
+    vis = k_pos <= q_pos
+    return vis & ((window == 0) | (k_pos > q_pos - window))
+
+
+@triton.jit
+def _tile(base, n_rows, start, stride_row, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Pointers to rows [start, start + BLOCK) of a (n_rows, HEAD_DIM) matrix with unit column stride, and
+    the in-bounds row mask."""
+    rows = start + tl.arange(0, BLOCK)
+    return base + rows[:, None] * stride_row + tl.arange(0, HEAD_DIM)[None, :], (rows < n_rows)[:, None]
+
+
+@triton.jit
+def _load_tile(tile, MASKED: tl.constexpr):
+    ptrs, row_ok = tile
+    if MASKED:
+        return tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _store_tile(tile, x):
+    ptrs, row_ok = tile
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _key_segments(first_pos, last_pos, window, BLOCK_N: tl.constexpr):
+    """Key-tile bounds for query positions first_pos..last_pos (all valid, last_pos < Tk).
+
+    Returns (lo, full_lo, full_hi, hi): masked tiles [lo, min(full_lo, hi)), unmasked tiles
+    [full_lo, full_hi), masked tiles [max(full_lo, full_hi), hi). lo, full_lo, full_hi are tile-aligned.
+    """
+    hi = last_pos + 1
+    has_window = window > 0
+    lo = tl.where(has_window, (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N, 0)
+    # first tile inside every row's window: its first key must be > last_pos - window
+    edge = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.where(has_window, tl.maximum(edge, lo), lo)
+    full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles wholly at or before the first row
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_segments(first_key, last_key, offset, Tq, window, BLOCK_M: tl.constexpr):
+    """Query-tile bounds (row indices) for the key range first_key..last_key, as in _key_segments."""
+    lo = (tl.maximum(first_key - offset, 0) // BLOCK_M) * BLOCK_M
+    hi = tl.where(window > 0, tl.minimum(Tq, last_key + window - offset), Tq)
+    # rows at or after the last key see the whole tile causally
+    full_lo = tl.cdiv(tl.maximum(last_key - offset, 0), BLOCK_M) * BLOCK_M
+    full_hi = (Tq // BLOCK_M) * BLOCK_M
+    # with a window the block's last row must still see the first key: row + offset < first_key + window
+    window_hi = (tl.maximum(first_key + window - offset, 0) // BLOCK_M) * BLOCK_M
+    full_hi = tl.where(window > 0, tl.minimum(full_hi, window_hi), full_hi)
+    return lo, full_lo, full_hi, hi
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_key_tiles(
+    acc,
+    l,
+    q2,
+    m,
+    q,
+    row_scale,
+    q_pos,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    lo,
+    hi,
+    Tk,
+    window,
+    offs_n,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles [lo, hi): running max m, l = sum p, q2 = sum p^2, acc = sum p v."""
+    for start_n in range(lo, hi, BLOCK_N):
+        k_pos = start_n + offs_n
+        k = _load_tile(_tile(k_base, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), MASKED)
+        v = _load_tile(_tile(v_base, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), MASKED)
+        a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
+        if MASKED:
+            vis = _visibility(q_pos[:, None], k_pos[None, :], window) & (k_pos < Tk)[None, :]
+            a = tl.where(vis, a, float("-inf"))
+        m_new = tl.maximum(m, tl.max(a, 1))
+        rescale = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(a - m_new[:, None])
+        l = l * rescale + tl.sum(p, 1)
+        q2 = q2 * (rescale * rescale) + tl.sum(p * p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
+        m = m_new
+    return acc, l, q2, m
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=["Tq", "Tk", "HEAD_DIM", "GROUP"])
+@triton.jit
+def polar_fwd_kernel(
+    Q,
+    K,
+    V,
+    C,
+    MAG,
+    LSE,
+    NEFF,
+    SNORM,
+    SP_ALPHA,
+    NULL_BASE,
+    SP_GAMMA,
+    SP_BETA,
+    V_NULL,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_mb,
+    stride_mt,
+    stride_mh,
+    Tq,
+    Tk,
+    H,
+    window,
+    sm_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_MASK: tl.constexpr,
+):
+    # heaviest (latest) query tiles first: better tail balance under causal masking
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // GROUP
+    offset = Tk - Tq
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Tq
+    q_pos = offset + offs_m
+
+    q = _load_tile(_tile(Q + b * stride_qb + h * stride_qh, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM), True)
+    sp_alpha = tl.load(SP_ALPHA + h)
+    n = _visible_counts(q_pos, window)
+    temp = 1.0 + sp_alpha * tl.log(n)
+    row_scale = temp * (sm_scale * LOG2E)
+
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    first_pos = offset + start_m
+    last_pos = tl.minimum(first_pos + BLOCK_M - 1, Tk - 1)
+    lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, BLOCK_N)
+
+    # a finite start for m: rows whose first tiles are all masked keep rescale = 1, p = 0
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    q2 = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    args = (k_base, v_base, stride_kt, stride_vt)
+    if SPLIT_MASK:
+        acc, l, q2, m = _fwd_key_tiles(
+            acc, l, q2, m, q, row_scale, q_pos, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM,
+            True, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+        acc, l, q2, m = _fwd_key_tiles(
+            acc, l, q2, m, q, row_scale, q_pos, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM,
+            False, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+        acc, l, q2, m = _fwd_key_tiles(
+            acc, l, q2, m, q, row_scale, q_pos, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n,
+            HEAD_DIM, True, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        acc, l, q2, m = _fwd_key_tiles(
+            acc, l, q2, m, q, row_scale, q_pos, *args, lo, hi, Tk, window, offs_n, HEAD_DIM,
+            True, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+
+    # fold in the null entry through keep = l / Z = sigmoid(lse - a_N); e^(a_N - m) is never formed
+    l = tl.where(l > 0, l, 1.0)  # padded rows only
+    q2 = tl.where(q2 > 0, q2, 1.0)
+    lse = (m + tl.math.log2(l)) * LN2
+    null_logit = temp * (tl.load(NULL_BASE + h) + tl.load(SP_GAMMA + h) * tl.sqrt(tl.log(1.0 + n)))
+    keep = _sigmoid(lse - null_logit)
+    w_null = _sigmoid(null_logit - lse)
+    v_null = tl.load(V_NULL + h * HEAD_DIM + offs_d)
+    s_vec = acc * (keep / l)[:, None] + w_null[:, None] * v_null[None, :]
+    s_norm = tl.sqrt(tl.sum(s_vec * s_vec, 1))
+    c = s_vec / tl.maximum(s_norm, NORM_EPS)[:, None]
+    n_eff = l * l / q2
+    mag = _tanh_nonneg(tl.load(SP_BETA + h) * _log1p(n_eff * keep))
+
+    c_tile = _tile(C + b * stride_cb + h * stride_ch, Tq, start_m, stride_ct, BLOCK_M, HEAD_DIM)
+    _store_tile(c_tile, c)
+    tl.store(MAG + b * stride_mb + h * stride_mh + offs_m * stride_mt, mag.to(MAG.dtype.element_ty), mask=row_ok)
+    stats = pid_bh * Tq + offs_m
+    tl.store(LSE + stats, lse, mask=row_ok)
+    tl.store(NEFF + stats, n_eff, mask=row_ok)
+    tl.store(SNORM + stats, s_norm, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward preamble: per-query scalars (reference `_Preamble`)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def polar_bwd_preamble_kernel(
+    C,
+    GC,
+    GMAG,
+    LSE,
+    NEFF,
+    SNORM,
+    SP_ALPHA,
+    NULL_BASE,
+    SP_GAMMA,
+    SP_BETA,
+    V_NULL,
+    GACC,
+    LSE2,
+    DPC,
+    GQ2,
+    DA_NULL,
+    DMAG_BETA_ROW,
+    DVNULL_PART,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_gcb,
+    stride_gct,
+    stride_gch,
+    stride_gmb,
+    stride_gmt,
+    stride_gmh,
+    stride_ab,
+    stride_at,
+    stride_ah,
+    Tq,
+    Tk,
+    H,
+    window,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Tq
+    rows2d = offs_m[:, None]
+    mask2d = row_ok[:, None]
+
+    c = tl.load(C + b * stride_cb + h * stride_ch + rows2d * stride_ct + offs_d[None, :], mask=mask2d, other=0.0)
+    c = c.to(tl.float32)
+    g_c = tl.load(GC + b * stride_gcb + h * stride_gch + rows2d * stride_gct + offs_d[None, :], mask=mask2d, other=0.0)
+    g_c = g_c.to(tl.float32)
+    g_mag = tl.load(GMAG + b * stride_gmb + h * stride_gmh + offs_m * stride_gmt, mask=row_ok, other=0.0)
+    g_mag = g_mag.to(tl.float32)
+    stats = pid_bh * Tq + offs_m
+    lse = tl.load(LSE + stats, mask=row_ok, other=0.0)
+    n_eff = tl.load(NEFF + stats, mask=row_ok, other=1.0)
+    s_norm = tl.load(SNORM + stats, mask=row_ok, other=1.0)
+
+    n = _visible_counts(Tk - Tq + offs_m, window)
+    temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(n)
+    null_logit = temp * (tl.load(NULL_BASE + h) + tl.load(SP_GAMMA + h) * tl.sqrt(tl.log(1.0 + n)))
+    keep = _sigmoid(lse - null_logit)
+    w_null = _sigmoid(null_logit - lse)
+    m_eff = n_eff * keep
+    log1p_m_eff = _log1p(m_eff)
+    sp_beta = tl.load(SP_BETA + h)
+    mag = _tanh_nonneg(sp_beta * log1p_m_eff)
+
+    # c = s_vec / max(||s_vec||, eps): project out the radial part unless the norm was clamped
+    clamped_norm = tl.maximum(s_norm, NORM_EPS)
+    radial = tl.where(s_norm > NORM_EPS, tl.sum(g_c * c, 1), 0.0)
+    g_s = (g_c - radial[:, None] * c) / clamped_norm[:, None]
+    delta = tl.sum(g_s * c, 1) * clamped_norm  # g_s . s_vec: zero unless clamped
+    g_me = g_mag * sp_beta * (1.0 - mag * mag) / (1.0 + m_eff)
+    g_l = g_me * m_eff * (3.0 - keep)
+    g_q2 = -g_me * m_eff * n_eff
+    v_null = tl.load(V_NULL + h * HEAD_DIM + offs_d)
+    da_null = w_null * (tl.sum(g_s * v_null[None, :], 1) - delta - g_me * m_eff)
+
+    tl.store(
+        GACC + b * stride_ab + h * stride_ah + rows2d * stride_at + offs_d[None, :],
+        (keep[:, None] * g_s).to(GACC.dtype.element_ty),
+        mask=mask2d,
+    )
+    tl.store(LSE2 + stats, lse * LOG2E, mask=row_ok)
+    tl.store(DPC + stats, g_l - keep * delta, mask=row_ok)
+    tl.store(GQ2 + stats, g_q2, mask=row_ok)
+    tl.store(DA_NULL + stats, da_null, mask=row_ok)
+    tl.store(DMAG_BETA_ROW + stats, g_mag * (1.0 - mag * mag) * log1p_m_eff, mask=row_ok)
+    # this tile's share of d v_null = sum_i w_null g_s
+    part = tl.sum(tl.where(mask2d, w_null[:, None] * g_s, 0.0), 0)
+    tl.store(DVNULL_PART + (pid_bh * tl.num_programs(0) + pid_m) * HEAD_DIM + offs_d, part)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dq (and sum_j da_j s_j per query), one program per query tile and query head
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dq_key_tiles(
+    dq,
+    da_s,
+    q,
+    g_acc,
+    row_scale,
+    lse2,
+    dp_const,
+    g_q2,
+    q_pos,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    lo,
+    hi,
+    Tk,
+    window,
+    offs_n,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        k_pos = start_n + offs_n
+        k = _load_tile(_tile(k_base, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), MASKED)
+        v = _load_tile(_tile(v_base, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        a = qk * row_scale[:, None] - lse2[:, None]
+        if MASKED:
+            vis = _visibility(q_pos[:, None], k_pos[None, :], window) & (k_pos < Tk)[None, :]
+            a = tl.where(vis, a, float("-inf"))
+        p = tl.math.exp2(a)  # weights among the real keys, normalised to l = 1
+        dp = tl.dot(g_acc, tl.trans(v), input_precision=DOT_PRECISION)
+        da = p * (dp + dp_const[:, None] + 2.0 * g_q2[:, None] * p)
+        da_s += tl.sum(da * qk, 1)
+        dq = tl.dot(da.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq, da_s
+
+
+@triton.autotune(configs=DQ_CONFIGS, key=["Tq", "Tk", "HEAD_DIM", "GROUP"])
+@triton.jit
+def polar_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    GACC,
+    LSE2,
+    DPC,
+    GQ2,
+    SP_ALPHA,
+    DQ,
+    DA_S,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    Tq,
+    Tk,
+    H,
+    window,
+    sm_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_MASK: tl.constexpr,
+):
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // GROUP
+    offset = Tk - Tq
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < Tq
+    q_pos = offset + offs_m
+    # q, g_acc and dq share one (B, Tq, H, D) layout
+    row_off = b * stride_qb + h * stride_qh
+    q = _load_tile(_tile(Q + row_off, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM), True)
+    g_acc = _load_tile(_tile(GACC + row_off, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM), True)
+    stats = pid_bh * Tq + offs_m
+    lse2 = tl.load(LSE2 + stats, mask=row_ok, other=0.0)
+    dp_const = tl.load(DPC + stats, mask=row_ok, other=0.0)
+    g_q2 = tl.load(GQ2 + stats, mask=row_ok, other=0.0)
+    temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(_visible_counts(q_pos, window))
+    row_scale = temp * (sm_scale * LOG2E)
+
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    first_pos = offset + start_m
+    last_pos = tl.minimum(first_pos + BLOCK_M - 1, Tk - 1)
+    lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    da_s = tl.zeros([BLOCK_M], tl.float32)
+    args = (q, g_acc, row_scale, lse2, dp_const, g_q2, q_pos, k_base, v_base, stride_kt, stride_vt)
+    if SPLIT_MASK:
+        dq, da_s = _dq_key_tiles(
+            dq, da_s, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION
+        )
+        dq, da_s = _dq_key_tiles(
+            dq, da_s, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM, False, BLOCK_N, DOT_PRECISION
+        )
+        dq, da_s = _dq_key_tiles(
+            dq, da_s, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
+            DOT_PRECISION,
+        )  # fmt: skip
+    else:
+        dq, da_s = _dq_key_tiles(dq, da_s, *args, lo, hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION)
+    # ds = temp * da * scale is the gradient with respect to q.k
+    dq = dq * (temp * sm_scale)[:, None]
+    dq_tile = _tile(DQ + row_off, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM)
+    _store_tile(dq_tile, dq)
+    tl.store(DA_S + stats, da_s * sm_scale, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dk, dv, one program per key tile and KV head, summing its GROUP query heads
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_query_tiles(
+    dk,
+    dv,
+    k,
+    v,
+    k_pos,
+    q_base,
+    a_base,
+    stats_base,
+    LSE2,
+    DPC,
+    GQ2,
+    stride_qt,
+    stride_at,
+    sp_alpha,
+    lo,
+    hi,
+    Tq,
+    offset,
+    window,
+    sm_scale,
+    offs_m,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dk, dv of one key tile (BLOCK_N rows) over query tiles [lo, hi) of one query head.
+
+    Tiles are computed transposed (keys x queries) so dk and dv come out of plain dots.
+    """
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q = _load_tile(_tile(q_base, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM), MASKED)
+        g_acc = _load_tile(_tile(a_base, Tq, start_m, stride_at, BLOCK_M, HEAD_DIM), MASKED)
+        if MASKED:
+            row_ok = rows < Tq
+            lse2 = tl.load(LSE2 + stats_base + rows, mask=row_ok, other=0.0)
+            dp_const = tl.load(DPC + stats_base + rows, mask=row_ok, other=0.0)
+            g_q2 = tl.load(GQ2 + stats_base + rows, mask=row_ok, other=0.0)
+        else:
+            lse2 = tl.load(LSE2 + stats_base + rows)
+            dp_const = tl.load(DPC + stats_base + rows)
+            g_q2 = tl.load(GQ2 + stats_base + rows)
+        q_pos = offset + rows
+        temp = 1.0 + sp_alpha * tl.log(_visible_counts(q_pos, window))
+        a_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * (temp * (sm_scale * LOG2E))[None, :]
+        a_t = a_t - lse2[None, :]
+        if MASKED:
+            vis = _visibility(q_pos[None, :], k_pos[:, None], window) & (rows < Tq)[None, :]
+            a_t = tl.where(vis, a_t, float("-inf"))
+        p_t = tl.math.exp2(a_t)
+        dv = tl.dot(p_t.to(g_acc.dtype), g_acc, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(g_acc), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t + dp_const[None, :] + 2.0 * g_q2[None, :] * p_t) * (temp * sm_scale)[None, :]
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.autotune(configs=DKDV_CONFIGS, key=["Tq", "Tk", "HEAD_DIM", "GROUP"])
+@triton.jit
+def polar_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    GACC,
+    LSE2,
+    DPC,
+    GQ2,
+    SP_ALPHA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    Tq,
+    Tk,
+    H,
+    window,
+    sm_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_MASK: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    pid_bkv = tl.program_id(1)
+    hkv = H // GROUP
+    b = pid_bkv // hkv
+    kvh = pid_bkv % hkv
+    offset = Tk - Tq
+
+    k_pos = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    # k, dk share K's layout and v, dv share V's
+    k_off = b * stride_kb + kvh * stride_kh
+    v_off = b * stride_vb + kvh * stride_vh
+    k = _load_tile(_tile(K + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), True)
+    v = _load_tile(_tile(V + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), True)
+
+    last_key = tl.minimum(start_n + BLOCK_N, Tk) - 1
+    lo, full_lo, full_hi, hi = _query_segments(start_n, last_key, offset, Tq, window, BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        a_base = GACC + b * stride_qb + h * stride_qh  # g_acc has q's layout
+        stats_base = (b * H + h) * Tq
+        sp_alpha = tl.load(SP_ALPHA + h)
+        args = (k, v, k_pos, q_base, a_base, stats_base, LSE2, DPC, GQ2, stride_qt, stride_qt, sp_alpha)
+        if SPLIT_MASK:
+            dk, dv = _dkdv_query_tiles(
+                dk, dv, *args, lo, tl.minimum(full_lo, hi), Tq, offset, window, sm_scale, offs_m, HEAD_DIM,
+                True, BLOCK_M, DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _dkdv_query_tiles(
+                dk, dv, *args, full_lo, full_hi, Tq, offset, window, sm_scale, offs_m, HEAD_DIM,
+                False, BLOCK_M, DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _dkdv_query_tiles(
+                dk, dv, *args, tl.maximum(full_lo, full_hi), hi, Tq, offset, window, sm_scale, offs_m, HEAD_DIM,
+                True, BLOCK_M, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            dk, dv = _dkdv_query_tiles(
+                dk, dv, *args, lo, hi, Tq, offset, window, sm_scale, offs_m, HEAD_DIM, True, BLOCK_M, DOT_PRECISION
+            )
+    _store_tile(_tile(DK + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), dk)
+    _store_tile(_tile(DV + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), dv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side launchers (plain tensors in, plain tensors out; autograd lives in ops.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full-precision dots rather than TF32 (half types ignore this)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class HeadParams:
+    """Per-head parameters transformed for the kernels (fp32, contiguous)."""
+
+    def __init__(self, len_gain, null_base, null_slope, mag_beta, v_null):
+        f = torch.nn.functional.softplus
+        self.len_gain = len_gain.float()
+        self.null_slope = null_slope.float()
+        self.mag_beta = mag_beta.float()
+        self.sp_alpha = f(self.len_gain).contiguous()
+        self.null_base = null_base.float().contiguous()
+        self.sp_gamma = f(self.null_slope).contiguous()
+        self.sp_beta = f(self.mag_beta).contiguous()
+        self.v_null = v_null.float().contiguous()
+
+
+def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window: int):
+    """Returns c (B, Tq, H, D), mag (B, Tq, H) in q's dtype and fp32 (B, H, Tq) lse, n_eff, ||s_vec||."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    params = HeadParams(len_gain, null_base, null_slope, mag_beta, v_null)
+    c = torch.empty_like(q)
+    mag = q.new_empty(b, tq, h)
+    lse, n_eff, s_norm = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(3))
+
+    def grid(meta):
+        return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
+
+    polar_fwd_kernel[grid](
+        q, k, v, c, mag, lse, n_eff, s_norm,
+        params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        c.stride(0), c.stride(1), c.stride(2),
+        mag.stride(0), mag.stride(1), mag.stride(2),
+        tq, tk, h, window, 1.0 / math.sqrt(d),
+        GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype),
+    )  # fmt: skip
+    return c, mag, lse, n_eff, s_norm
+
+
+def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int):
+    """Launch the per-query backward preamble; returns its per-query outputs."""
+    b, tq, h, d = q.shape
+    g_acc = torch.empty_like(q)
+    lse2, dp_const, g_q2, da_null, dmag_row = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(5))
+    n_tiles = triton.cdiv(tq, PREAMBLE_BLOCK_M)
+    dvnull_part = q.new_empty(b, h, n_tiles, d, dtype=torch.float32)
+    polar_bwd_preamble_kernel[(n_tiles, b * h)](
+        c, g_c, g_mag, lse, n_eff, s_norm,
+        params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
+        g_acc, lse2, dp_const, g_q2, da_null, dmag_row, dvnull_part,
+        c.stride(0), c.stride(1), c.stride(2),
+        g_c.stride(0), g_c.stride(1), g_c.stride(2),
+        g_mag.stride(0), g_mag.stride(1), g_mag.stride(2),
+        g_acc.stride(0), g_acc.stride(1), g_acc.stride(2),
+        tq, tk, h, window,
+        HEAD_DIM=d, BLOCK_M=PREAMBLE_BLOCK_M,
+        num_warps=PREAMBLE_WARPS,
+    )  # fmt: skip
+    return g_acc, lse2, dp_const, g_q2, da_null, dmag_row, dvnull_part
+
+
+def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq, tk, window):
+    """Per-head parameter gradients from per-query fp32 (B, H, Tq) quantities.
+
+    a_j = temp s_j and a_N = temp null, so d temp = sum_j da_j s_j + da_N null and d null = da_N temp.
+    """
+    device = da_s.device
+    n = torch.arange(tk - tq, tk, device=device, dtype=torch.float32) + 1
+    if window > 0:
+        n = n.clamp_max(window)
+    log_n, root = torch.log(n), torch.sqrt(torch.log1p(n))
+    temp = 1.0 + params.sp_alpha[:, None] * log_n  # (H, Tq)
+    null = params.null_base[:, None] + params.sp_gamma[:, None] * root
+    d_temp = da_s + da_null * null
+    d_null = da_null * temp
+    d_len_gain = (d_temp * log_n).sum(dim=(0, 2)) * torch.sigmoid(params.len_gain)
+    d_null_base = d_null.sum(dim=(0, 2))
+    d_null_slope = (d_null * root).sum(dim=(0, 2)) * torch.sigmoid(params.null_slope)
+    d_mag_beta = dmag_row.sum(dim=(0, 2)) * torch.sigmoid(params.mag_beta)
+    d_v_null = dvnull_part.sum(dim=(0, 2))
+    return d_len_gain, d_null_base, d_null_slope, d_mag_beta, d_v_null
+
+
+def polar_backward(
+    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int
+):
+    """All eight input gradients (fp32 for the per-head parameters, input dtype for q, k, v)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    params = HeadParams(len_gain, null_base, null_slope, mag_beta, v_null)
+    g_acc, lse2, dp_const, g_q2, da_null, dmag_row, dvnull_part = _preamble(
+        q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window
+    )
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    da_s = q.new_empty(b, h, tq, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(d)
+    common = dict(GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    strides += (v.stride(0), v.stride(1), v.stride(2))
+
+    def dq_grid(meta):
+        return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
+
+    polar_bwd_dq_kernel[dq_grid](
+        q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dq, da_s, *strides, tq, tk, h, window, scale, **common
+    )
+
+    def dkdv_grid(meta):
+        return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
+
+    polar_bwd_dkdv_kernel[dkdv_grid](
+        q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dk, dv, *strides, tq, tk, h, window, scale, **common
+    )
+    head_grads = _head_gradients(params, da_s, da_null, dmag_row, dvnull_part, tq, tk, window)
+    return (dq, dk, dv, *head_grads)

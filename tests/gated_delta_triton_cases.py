@@ -1,0 +1,263 @@
+"""Gated delta Triton kernels under the Triton interpreter (CPU), against float64 references.
+
+Not collected by the suite on its own (the name does not start with test_): test_gated_delta_triton.py
+runs this file in a subprocess with TRITON_INTERPRET=1, which has to be set before triton is
+imported. Run it alone with
+    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/gated_delta_triton_cases.py
+Shapes are tiny (the interpreter runs every program in Python); Dv = 32 with the interpreter's
+Dv block of 16 covers several Dv blocks, T = 70 and 130 cover ragged tail chunks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atma_titan.kernels.gated_delta import (
+    gated_delta_chunked,
+    gated_delta_chunked_triton,
+    gated_delta_recurrent,
+    gated_delta_step_,
+)
+from atma_titan.kernels.gated_delta.reference import gated_delta_step, gated_delta_step_inplace
+
+F64 = torch.float64
+NAMES = ("q", "k", "v", "log_gamma", "beta", "initial_state")
+interpreter_only = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 set before triton is imported"
+)
+
+
+def random_inputs(batch, seq_len, heads, key_dim, value_dim, *, with_initial_state=True, seed=0, device="cpu"):
+    """Float64 leaves drawn as the model draws them (gates in log space for gamma)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    inputs = {
+        "q": randn(batch, seq_len, heads, key_dim),
+        "k": randn(batch, seq_len, heads, key_dim),
+        "v": randn(batch, seq_len, heads, value_dim),
+        "log_gamma": F.logsigmoid(randn(batch, seq_len, heads) + 2.0),
+        "beta": torch.sigmoid(randn(batch, seq_len, heads)),
+        "initial_state": randn(batch, heads, value_dim, key_dim) if with_initial_state else None,
+    }
+    return {name: None if x is None else x.to(device) for name, x in inputs.items()}
+
+
+def cast(inputs, dtype):
+    """q, k, v in dtype; gates and the initial state in float32 (as the model feeds them)."""
+    out = {}
+    for name, x in inputs.items():
+        if x is not None:
+            x = x.to(dtype if name in ("q", "k", "v") else torch.float32)
+        out[name] = x
+    return out
+
+
+def outputs_and_grads(fn, inputs, r_weight, state_weight, **kwargs):
+    """(r, final_state, {name: grad}) of loss = <r, r_weight> + <final_state, state_weight>."""
+    leaves = {name: x.detach().clone().requires_grad_(True) for name, x in inputs.items() if x is not None}
+    args = {name: leaves.get(name) for name in NAMES}
+    r, state = fn(**args, **kwargs)
+    loss = (r.to(F64) * r_weight).sum() + (state.to(F64) * state_weight).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return r, state, dict(zip(leaves, grads))
+
+
+def compare_to_float64(fn, inputs, dtype, tol, seed=1, **kwargs):
+    """Run fn on inputs rounded to dtype and the float64 recurrence on the same rounded values."""
+    low = cast(inputs, dtype)
+    exact = {name: None if x is None else x.to(F64) for name, x in low.items()}
+    gen = torch.Generator().manual_seed(seed)
+    batch, seq_len, heads, value_dim = inputs["v"].shape
+    key_dim = inputs["k"].shape[-1]
+    device = inputs["v"].device
+    r_weight = torch.randn(batch, seq_len, heads, value_dim, generator=gen, dtype=F64).to(device)
+    state_weight = torch.randn(batch, heads, value_dim, key_dim, generator=gen, dtype=F64).to(device)
+    reference = gated_delta_recurrent if seq_len <= 256 else gated_delta_chunked
+    r_ref, state_ref, grads_ref = outputs_and_grads(reference, exact, r_weight, state_weight, **kwargs)
+    r, state, grads = outputs_and_grads(fn, low, r_weight, state_weight, **kwargs)
+    assert r.dtype == dtype and r.shape == r_ref.shape
+    assert state.dtype == torch.float32 and state.shape == state_ref.shape
+    assert_relative_close(r, r_ref, tol, "r")
+    assert_relative_close(state, state_ref, tol, "final_state")
+    assert set(grads) == set(grads_ref)
+    for name in grads_ref:
+        assert grads[name].dtype == low[name].dtype, name
+        assert_relative_close(grads[name], grads_ref[name], tol, f"d{name}")
+
+
+def assert_relative_close(actual, expected, tol, name):
+    """Worst absolute error against the largest reference entry: fails on a wrong element anywhere."""
+    actual, expected = actual.to(F64), expected.to(F64)
+    assert torch.isfinite(actual).all(), f"{name} has non-finite values"
+    error = (actual - expected).abs().max().item()
+    scale = max(expected.abs().max().item(), 1e-3)
+    assert error <= tol * scale, f"{name}: max error {error:.3e} > {tol:.1e} x {scale:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked kernels: outputs, final state and every gradient against the float64 recurrence
+
+CHUNKED_CASES = [
+    # (seq_len, key_dim, value_dim, dtype, with_initial_state)
+    (70, 16, 32, torch.float32, True),  # ragged tail, two Dv blocks
+    (70, 16, 32, torch.float32, False),
+    (64, 24, 16, torch.float32, True),  # exact chunk, Dk not a power of two
+    (1, 16, 16, torch.float32, False),  # one token
+    (130, 16, 16, torch.float16, True),  # three chunks in half precision
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("seq_len,key_dim,value_dim,dtype,with_initial_state", CHUNKED_CASES)
+def test_chunked_kernel_matches_float64_recurrence(seq_len, key_dim, value_dim, dtype, with_initial_state):
+    inputs = random_inputs(1, seq_len, 2, key_dim, value_dim, with_initial_state=with_initial_state, seed=seq_len)
+    tol = 2e-5 if dtype == torch.float32 else 4e-3
+    compare_to_float64(gated_delta_chunked_triton, inputs, dtype, tol)
+
+
+@interpreter_only
+def test_chunked_kernel_without_normalisation():
+    inputs = random_inputs(1, 70, 2, 16, 16, seed=4)
+    inputs["q"] = 0.3 * inputs["q"]
+    inputs["k"] = F.normalize(inputs["k"], dim=-1) * 0.9  # keeps I - beta k k^T a contraction
+    compare_to_float64(gated_delta_chunked_triton, inputs, torch.float32, 2e-5, normalize_qk=False)
+    # the flag reaches the kernels: normalising would change the result
+    args = {name: inputs[name].float() for name in NAMES}
+    r_plain, _ = gated_delta_chunked_triton(**args, normalize_qk=False)
+    r_normalised, _ = gated_delta_chunked_triton(**args, normalize_qk=True)
+    assert (r_plain - r_normalised).abs().max() > 1e-2
+
+
+@interpreter_only
+def test_chunked_kernel_extreme_gates_stay_finite():
+    """gamma down to e^-30 (decays underflow inside a chunk), beta near 0 and 1, tiny keys (norm < eps)."""
+    inputs = random_inputs(1, 70, 2, 16, 16, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    inputs["log_gamma"] = -30.0 * torch.rand(1, 70, 2, generator=gen, dtype=F64) ** 4
+    inputs["beta"] = torch.where(torch.rand(1, 70, 2, generator=gen) < 0.5, 1e-4, 1 - 1e-4).to(F64)
+    inputs["k"][0, 3] = 1e-8  # below the normalisation's eps
+    compare_to_float64(gated_delta_chunked_triton, inputs, torch.float32, 1e-4)
+
+
+@interpreter_only
+def test_chunked_kernel_on_empty_sequence_returns_initial_state():
+    inputs = cast(random_inputs(1, 0, 2, 16, 16), torch.float32)
+    r, state = gated_delta_chunked_triton(**inputs)
+    assert r.shape == (1, 0, 2, 16)
+    torch.testing.assert_close(state, inputs["initial_state"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode step
+
+
+def random_step(batch, heads, key_dim, value_dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "q": torch.randn(batch, heads, key_dim, generator=gen),
+        "k": torch.randn(batch, heads, key_dim, generator=gen),
+        "v": torch.randn(batch, heads, value_dim, generator=gen),
+        "log_gamma": F.logsigmoid(torch.randn(batch, heads, generator=gen) + 2.0),
+        "beta": torch.sigmoid(torch.randn(batch, heads, generator=gen)),
+    }
+
+
+def exact_step(state, token):
+    """float64 gated_delta_step on normalised q, k."""
+    t = {name: x.to(F64) for name, x in token.items()}
+    q, k = F.normalize(t["q"], dim=-1, eps=1e-6), F.normalize(t["k"], dim=-1, eps=1e-6)
+    return gated_delta_step(state.to(F64), q, k, t["v"], t["log_gamma"], t["beta"])
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "pytorch"])
+def test_step_updates_only_addressed_slots_in_place(use_kernel):
+    if use_kernel and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(6, 2, 48, 24, generator=gen)  # Dv 48 = 2 row blocks of 32 (one partial); Dk 24 masked
+    before = pool.clone()
+    address = pool.data_ptr()
+    slots = torch.tensor([4, 1, 2])
+    token = random_step(3, 2, 24, 48, seed=1)
+    step = gated_delta_step_ if use_kernel else gated_delta_step_inplace
+    r = step(pool, slots, **token)
+
+    r_ref, new_ref = exact_step(before[slots], token)
+    assert pool.data_ptr() == address
+    assert_relative_close(r, r_ref, 1e-5, "r")
+    assert_relative_close(pool[slots], new_ref, 1e-5, "updated slots")
+    untouched = [i for i in range(6) if i not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@interpreter_only
+def test_prefill_then_decode_equals_one_chunked_pass():
+    """Chunked kernel over 70 tokens, then 5 decode steps on a pool == one chunked pass over 75."""
+    total, prefill = 75, 70
+    inputs = cast(random_inputs(2, total, 2, 16, 32, seed=8), torch.float32)
+    r_full, state_full = gated_delta_chunked_triton(**inputs)
+    head = {name: x if name == "initial_state" else x[:, :prefill] for name, x in inputs.items()}
+    r_prefill, state = gated_delta_chunked_triton(**head)
+
+    pool = torch.zeros(4, 2, 32, 16)
+    slots = torch.tensor([3, 0])
+    pool[slots] = state
+    decoded = []
+    for t in range(prefill, total):
+        token = {name: inputs[name][:, t] for name in ("q", "k", "v", "log_gamma", "beta")}
+        decoded.append(gated_delta_step_(pool, slots, **token))
+    torch.testing.assert_close(r_prefill, r_full[:, :prefill], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(decoded, dim=1), r_full[:, prefill:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[slots], state_full, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+
+
+@interpreter_only
+@pytest.mark.parametrize("with_initial_state", [True, False], ids=["init", "zeros"])
+def test_chunked_op_passes_opcheck(with_initial_state):
+    inputs = cast(random_inputs(1, 20, 1, 16, 16, with_initial_state=with_initial_state, seed=2), torch.float32)
+    args = tuple(inputs[name] for name in NAMES)
+    for x in args:
+        if x is not None:
+            x.requires_grad_(True)
+    torch.library.opcheck(torch.ops.atma.gated_delta_chunk_fwd, (*args, True))
+
+
+def test_step_op_passes_opcheck():
+    pool = torch.randn(3, 1, 16, 16)
+    token = random_step(2, 1, 16, 16, seed=3)
+    torch.library.opcheck(
+        torch.ops.atma.gated_delta_step,
+        (pool, torch.tensor([2, 0]), *token.values(), True),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
+@interpreter_only
+def test_compiles_with_fullgraph_and_backward_on_cpu():
+    inputs = cast(random_inputs(1, 20, 1, 16, 16, seed=6), torch.float32)
+    for x in inputs.values():
+        x.requires_grad_(True)
+
+    def memory(q, k, v, log_gamma, beta, initial_state):
+        r, state = gated_delta_chunked_triton(q, k, v, log_gamma, beta.sigmoid(), initial_state=initial_state)
+        return (r * 2).sum() + state.square().sum()
+
+    compiled = torch.compile(memory, fullgraph=True, backend="inductor")
+    loss = compiled(*inputs.values())
+    grads = torch.autograd.grad(loss, list(inputs.values()))
+    loss_eager = memory(*inputs.values())
+    grads_eager = torch.autograd.grad(loss_eager, list(inputs.values()))
+    torch.testing.assert_close(loss, loss_eager)
+    for actual, expected in zip(grads, grads_eager):
+        torch.testing.assert_close(actual, expected)
