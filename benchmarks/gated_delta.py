@@ -1,7 +1,8 @@
 """Gated delta memory kernels on one GPU: chunked training forward / forward+backward, and the decode step.
 
     python benchmarks/gated_delta.py [--batch 16 --seq-len 2048 --heads 8 --key-dim 128 --value-dim 128]
-                                     [--decode-batch 64] [--out benchmarks/results/gated_delta-<gpu>.json]
+                                     [--decode-batch 64] [--step-sweep]
+                                     [--out benchmarks/results/ | --out FILE.json]
 
 Chunked (bf16 q, k, v; fp32 gates and state; normalize_qk=True): this Triton kernel, the PyTorch
 chunked reference and fla's chunk_gated_delta_rule when fla-core is importable (its backward refuses
@@ -10,7 +11,13 @@ triton.testing.do_bench medians in ms, with ratios to the Triton kernel.
 
 Decode (fp32 state pool, one token per sequence): the in-place Triton step and the PyTorch step,
 as achieved bandwidth 2 x state bytes / time, against a device-to-device copy of the same bytes
-(dst.copy_(src)) measured in the same run.
+(dst.copy_(src)) measured in the same run. Each is timed twice: eagerly (do_bench of one call, so
+Python / custom-op dispatch is included: at ~20 us a step that overhead dominates) and inside a
+CUDA graph, as a decode loop runs it (20 steps captured into one graph after warm-up, the replay
+timed, per step). In the graph the steps rotate over 4 disjoint slot sets (copies over 4 buffer
+pairs) so consecutive steps do not find their state in the 50 MB L2. --step-sweep also times the
+step kernel's rows per program x warps in the graph. --out takes a directory (gated_delta-<gpu>.json
+is written in it) or a file path.
 
     python benchmarks/gated_delta.py --resources [--key-dim 128 --value-dim 128]
 
@@ -99,10 +106,33 @@ def fla_available() -> bool:
     return True
 
 
-def time_decode(args) -> list[dict]:
+GRAPH_STEPS = 20  # steps captured into one CUDA graph
+ROTATIONS = 4  # disjoint slot sets / buffer pairs the graphed steps cycle through (more bytes than the L2)
+
+
+def graph_us(step_fns) -> float:
+    """Per-step time of len(step_fns) calls captured in one CUDA graph (warm-up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in step_fns[:ROTATIONS] * 2:  # compile / autotune / allocator warm-up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in step_fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return bench_ms(graph.replay, warmup=10, rep=100) * 1e3 / len(step_fns)
+
+
+def decode_setup(args) -> dict:
     heads, key_dim, value_dim, batch = args.heads, args.key_dim, args.value_dim, args.decode_batch
-    pool = torch.randn(batch, heads, value_dim, key_dim, device="cuda")
-    slots = torch.randperm(batch, device="cuda")
+    pool = torch.randn(ROTATIONS * batch, heads, value_dim, key_dim, device="cuda")
+    order = torch.randperm(ROTATIONS * batch, device="cuda")
+    slot_sets = [order[i * batch : (i + 1) * batch].contiguous() for i in range(ROTATIONS)]
     token = {
         "q": torch.randn(batch, heads, key_dim, device="cuda", dtype=torch.bfloat16),
         "k": torch.randn(batch, heads, key_dim, device="cuda", dtype=torch.bfloat16),
@@ -110,19 +140,71 @@ def time_decode(args) -> list[dict]:
         "log_gamma": F.logsigmoid(torch.randn(batch, heads, device="cuda") + 3.9),
         "beta": torch.sigmoid(torch.randn(batch, heads, device="cuda")),
     }
-    state_bytes = pool.numel() * pool.element_size()
-    src, dst = torch.empty_like(pool), torch.empty_like(pool)
+    state_bytes = batch * heads * value_dim * key_dim * 4
+    buffers = [(torch.empty_like(pool[:batch]), torch.empty_like(pool[:batch])) for _ in range(ROTATIONS)]
+    return {"pool": pool, "slot_sets": slot_sets, "token": token, "state_bytes": state_bytes, "buffers": buffers}
+
+
+def time_decode(args) -> list[dict]:
+    d = decode_setup(args)
+    pool, slot_sets, token, buffers = d["pool"], d["slot_sets"], d["token"], d["buffers"]
+
+    def copy(i):
+        src, dst = buffers[i % ROTATIONS]
+        return lambda: dst.copy_(src)
+
+    def triton_step(i):
+        return lambda: gated_delta_step_(pool, slot_sets[i % ROTATIONS], **token)
+
+    def pytorch_step(i):
+        return lambda: gated_delta_step_inplace(pool, slot_sets[i % ROTATIONS], **token)
+
     rows = []
-    for name, fn in (
-        ("copy", lambda: dst.copy_(src)),
-        ("triton_step", lambda: gated_delta_step_(pool, slots, **token)),
-        ("pytorch_step", lambda: gated_delta_step_inplace(pool, slots, **token)),
-    ):
-        ms = bench_ms(fn, warmup=50, rep=200)
-        rows.append({"impl": name, "us": ms * 1e3, "tb_per_s": 2 * state_bytes / (ms * 1e-3) / 1e12})
-    copy_us = rows[0]["us"]
+    for name, make in (("copy", copy), ("triton_step", triton_step), ("pytorch_step", pytorch_step)):
+        row = {"impl": name, "us": None, "tb_per_s": None, "graph_us": None, "graph_tb_per_s": None, "error": None}
+        row["us"] = bench_ms(make(0), warmup=50, rep=200) * 1e3
+        try:
+            row["graph_us"] = graph_us([make(i) for i in range(GRAPH_STEPS)])
+        except Exception as error:  # noqa: BLE001 - recorded, the eager time still stands
+            row["error"] = f"graph: {type(error).__name__}: {error}"[:500]
+            torch.cuda.synchronize()
+        rows.append(row)
+    _bandwidths(rows, d["state_bytes"])
+    return rows
+
+
+def _bandwidths(rows: list[dict], state_bytes: int) -> None:
+    """TB/s (2 x state bytes per step) and fraction of the copy's bandwidth, eager and graphed."""
+    copy = rows[0]
     for row in rows:
-        row["fraction_of_copy_bandwidth"] = copy_us / row["us"]
+        for prefix in ("", "graph_"):
+            us = row[f"{prefix}us"]
+            row[f"{prefix}tb_per_s"] = 2 * state_bytes / (us * 1e-6) / 1e12 if us else None
+            base = copy[f"{prefix}us"]
+            row[f"{prefix}fraction_of_copy_bandwidth"] = base / us if us and base else None
+
+
+def sweep_step(args) -> list[dict]:
+    """The Triton step inside a CUDA graph for each rows-per-program x warps (defaults restored after)."""
+    from atma_titan.kernels.gated_delta import step
+
+    d = decode_setup(args)
+    pool, slot_sets, token = d["pool"], d["slot_sets"], d["token"]
+    defaults = step.ROWS_PER_PROGRAM, step.NUM_WARPS
+    rows = []
+    try:
+        for rows_per_program in (16, 32, 64, 128):
+            for warps in (2, 4, 8):
+                step.ROWS_PER_PROGRAM, step.NUM_WARPS = rows_per_program, warps
+                fns = [
+                    (lambda s: lambda: gated_delta_step_(pool, s, **token))(slot_sets[i % ROTATIONS])
+                    for i in range(GRAPH_STEPS)
+                ]
+                us = graph_us(fns)
+                rows.append({"rows_per_program": rows_per_program, "num_warps": warps, "graph_us": us,
+                             "graph_tb_per_s": 2 * d["state_bytes"] / (us * 1e-6) / 1e12})  # fmt: skip
+    finally:
+        step.ROWS_PER_PROGRAM, step.NUM_WARPS = defaults
     return rows
 
 
@@ -145,17 +227,18 @@ def print_resources(args) -> None:
     from atma_titan.kernels.gated_delta import chunked, step
 
     dk, dv = args.key_dim, args.value_dim
-    bk = max(16, triton.next_power_of_2(dk))
+    bk = chunked._block(dk)
     common = {"H": args.heads, "DK": dk, "DV": dv, "BK": bk, "C": chunked.CHUNK, "NORMALIZE": True, "PREC": "tf32"}
     single = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
     kernels = [
-        ("prepare", chunked._prepare_kernel, {**common, "BVF": max(16, triton.next_power_of_2(dv))}, single),
+        ("prepare", chunked._prepare_kernel, {**common, "BVF": chunked._block(dv)}, single),
         ("state_fwd", chunked._state_fwd_kernel.fn, {**common, "HAS_INITIAL": True}, chunked.SEQUENTIAL_CONFIGS),
         ("output", chunked._output_kernel.fn, common, chunked.PARALLEL_CONFIGS),
         ("dv_local", chunked._dv_local_kernel.fn, common, chunked.PARALLEL_CONFIGS),
         ("state_bwd", chunked._state_bwd_kernel.fn, common, chunked.SEQUENTIAL_CONFIGS),
         ("grad", chunked._grad_kernel.fn, common, chunked.GRAD_CONFIGS),
-        ("step", step._step_kernel, {"H": args.heads, "DK": dk, "DV": dv, "BK": bk, "BV": step.ROWS_PER_PROGRAM,
+        ("step", step._step_kernel, {"H": args.heads, "DK": dk, "DV": dv, "BK": max(16, triton.next_power_of_2(dk)),
+                                     "BV": step.ROWS_PER_PROGRAM,
                                      "NORMALIZE": True}, [triton.Config({}, num_warps=step.NUM_WARPS)]),
     ]  # fmt: skip
     cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
@@ -172,7 +255,18 @@ def print_resources(args) -> None:
             }
             if name == "step":
                 signature["slots_ptr"] = "*i64"
-            source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+            # as a launch specialises them: 16-byte aligned pointers, T divisible by 16 when it is
+            aligned = [
+                i
+                for i, arg in enumerate(fn.arg_names)
+                if arg.endswith("_ptr") or (arg == "T" and args.seq_len % 16 == 0)
+            ]
+            source = ASTSource(
+                fn,
+                signature,
+                constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+            )
             options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
             with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -199,7 +293,8 @@ def main() -> None:
     parser.add_argument("--value-dim", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--skip-reference", action="store_true", help="leave out the PyTorch chunked reference")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="a directory (gated_delta-<gpu>.json inside) or a file")
+    parser.add_argument("--step-sweep", action="store_true", help="also time step rows-per-program x warps in a graph")
     parser.add_argument("--resources", action="store_true", help="registers / spills per kernel config (no GPU)")
     args = parser.parse_args()
     if args.resources:
@@ -215,6 +310,7 @@ def main() -> None:
         impls.append(("fla", gated_delta_chunked_fla))
     chunked = [time_chunked(name, fn, args) for name, fn in impls]
     decode = time_decode(args)
+    step_sweep = sweep_step(args) if args.step_sweep else None
 
     base = chunked[0]
     print(f"chunked gated delta  B{args.batch} T{args.seq_len} H{args.heads} dk{args.key_dim} dv{args.value_dim} bf16")
@@ -227,9 +323,25 @@ def main() -> None:
         if row["error"]:
             print(f"    error: {row['error'][:200]}")
     print(f"\ndecode step  B{args.decode_batch} H{args.heads} {args.value_dim}x{args.key_dim} fp32 state")
-    print(f"{'impl':<16} {'us':>9} {'TB/s':>7} {'of copy bw':>11}")
+    print(f"{'':<16} {'eager (do_bench of one call)':^29} {'CUDA graph (per step)':^29}")
+    print(f"{'impl':<16} {'us':>9} {'TB/s':>7} {'of copy':>11} {'us':>9} {'TB/s':>7} {'of copy':>11}")
     for row in decode:
-        print(f"{row['impl']:<16} {row['us']:>9.2f} {row['tb_per_s']:>7.2f} {row['fraction_of_copy_bandwidth']:>11.1%}")
+        eager, graph = (
+            f"{_fmt(row[p + 'us'], 9, 2)} {_fmt(row[p + 'tb_per_s'], 7, 2)} {_pct(row[p + 'fraction_of_copy_bandwidth'])}"  # noqa: E501
+            for p in ("", "graph_")
+        )
+        print(f"{row['impl']:<16} {eager} {graph}")
+        if row["error"]:
+            print(f"    error: {row['error'][:200]}")
+    if step_sweep:
+        copy_graph_us = decode[0]["graph_us"]
+        print("\ntriton step in a CUDA graph, per rows-per-program x warps")
+        print(f"{'rows':>5} {'warps':>5} {'us':>9} {'TB/s':>7} {'of copy':>11}")
+        for row in step_sweep:
+            fraction = copy_graph_us / row["graph_us"] if copy_graph_us else None
+            row["graph_fraction_of_copy_bandwidth"] = fraction
+            print(f"{row['rows_per_program']:>5} {row['num_warps']:>5} {row['graph_us']:>9.2f} "
+                  f"{row['graph_tb_per_s']:>7.2f} {_pct(fraction)}")  # fmt: skip
 
     import triton
 
@@ -240,15 +352,33 @@ def main() -> None:
         "shape": vars(args) | {"out": None},
         "chunked": chunked,
         "decode": decode,
+        "decode_graph_steps": GRAPH_STEPS,
+        "decode_rotations": ROTATIONS,
+        "step_sweep": step_sweep,
     }
-    out = args.out or Path(__file__).parent / "results" / f"gated_delta-{gpu_slug()}.json"
+    out = output_path(args.out, gpu_slug())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\nwrote {out}")
 
 
-def _fmt(x, width: int) -> str:
-    return f"{x:>{width}.3f}" if x is not None else f"{'-':>{width}}"
+def output_path(out: Path | None, slug: str) -> Path:
+    """--out: a directory (existing, or named with a trailing slash or without a suffix) gets
+    gated_delta-<gpu>.json inside; anything else is the file itself. None: benchmarks/results/."""
+    name = f"gated_delta-{slug}.json"
+    if out is None:
+        return Path(__file__).parent / "results" / name
+    if out.is_dir() or str(out).endswith(("/", "\\")) or (not out.exists() and out.suffix == ""):
+        return out / name
+    return out
+
+
+def _fmt(x, width: int, digits: int = 3) -> str:
+    return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
+
+
+def _pct(x, width: int = 11) -> str:
+    return f"{x:>{width}.1%}" if x is not None else f"{'-':>{width}}"
 
 
 if __name__ == "__main__":

@@ -6,12 +6,20 @@ imported. Run it alone with
     TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/gated_delta_triton_cases.py
 Shapes are tiny (the interpreter runs every program in Python); Dv = 32 with the interpreter's
 Dv block of 16 covers several Dv blocks, T = 70 and 130 cover ragged tail chunks.
+
+Every kernel launched here runs under a bounds check (the interpreter itself reads and writes host
+memory unchecked): each masked-in address of every tl.load / tl.store must lie inside one of the
+launch's tensor arguments. The GPU's own block sizes (BV from chunked.GPU_BLOCK_VALUES, BK and the
+prepare kernel's Dv block padded to chunked.MIN_DOT_BLOCK = 64) are run too, at Dk != Dv, Dv < BV
+and BV not dividing Dv, which the interpreter's default first config (BV = 16) never reaches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +37,72 @@ NAMES = ("q", "k", "v", "log_gamma", "beta", "initial_state")
 interpreter_only = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 set before triton is imported"
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds check for the interpreter
+
+
+@contextlib.contextmanager
+def interpreter_bounds_check():
+    """Fail any interpreted tl.load / tl.store whose masked-in addresses leave the launch's tensor arguments."""
+    import triton.runtime.interpreter as interpreter
+
+    extents = []
+    builder = interpreter.interpreter_builder
+    init_args, load, store = (
+        interpreter.GridExecutor._init_args_hst,
+        builder.create_masked_load,
+        builder.create_masked_store,
+    )
+
+    def record_extents(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        extents.clear()
+        for arg in [*args_hst, *kwargs_hst.values()]:
+            arg = getattr(arg, "base", arg)  # TensorWrapper
+            if isinstance(arg, torch.Tensor):
+                assert arg.is_contiguous(), "the bounds check assumes contiguous tensor arguments"
+                extents.append((arg.data_ptr(), arg.data_ptr() + arg.numel() * arg.element_size()))
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what):
+        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape).astype(bool)]
+        if addresses.size == 0:
+            return
+        itemsize = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for start, end in extents:
+            inside |= (addresses >= start) & (addresses + itemsize <= end)
+        if not inside.all():
+            raise AssertionError(
+                f"out-of-bounds {what} of {int((~inside).sum())} elements in program {builder.grid_idx}"
+            )
+
+    def checked_load(ptrs, mask, other, *args):
+        check(ptrs, mask, "tl.load")
+        return load(ptrs, mask, other, *args)
+
+    def checked_store(ptrs, value, mask, *args):
+        check(ptrs, mask, "tl.store")
+        return store(ptrs, value, mask, *args)
+
+    interpreter.GridExecutor._init_args_hst = record_extents
+    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store
+    try:
+        yield
+    finally:
+        interpreter.GridExecutor._init_args_hst = init_args
+        builder.create_masked_load, builder.create_masked_store = load, store
+
+
+@pytest.fixture(autouse=True)
+def _bounds_checked():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    with interpreter_bounds_check():
+        yield
 
 
 def random_inputs(batch, seq_len, heads, key_dim, value_dim, *, with_initial_state=True, seed=0, device="cpu"):
@@ -152,6 +226,76 @@ def test_chunked_kernel_on_empty_sequence_returns_initial_state():
     r, state = gated_delta_chunked_triton(**inputs)
     assert r.shape == (1, 0, 2, 16)
     torch.testing.assert_close(state, inputs["initial_state"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU's block sizes under the interpreter
+
+
+def _gpu_block_choices():
+    """One (sequential, parallel, grad) BV triple per position of the longest GPU list."""
+    from atma_titan.kernels.gated_delta.chunked import GPU_BLOCK_VALUES as bvs
+
+    longest = max(len(v) for v in bvs.values())
+    return [
+        tuple(bvs[kind][min(i, len(bvs[kind]) - 1)] for kind in ("sequential", "parallel", "grad"))
+        for i in range(longest)
+    ]
+
+
+def _chunked_module():
+    from atma_titan.kernels.gated_delta import chunked
+
+    return chunked
+
+
+@interpreter_only
+def test_bounds_check_catches_an_out_of_bounds_access():
+    """The check above is live: a load one element past a tensor fails, the same load masked passes."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(x_ptr, y_ptr, N: tl.constexpr, B: tl.constexpr):
+        i = tl.arange(0, B)
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < N), mask=i < 8)
+
+    x, y = torch.arange(8.0), torch.empty(8)
+    copy[(1,)](x, y, N=8, B=16)
+    assert torch.equal(x, y)
+    with pytest.raises(Exception, match="out-of-bounds tl.load"):
+        copy[(1,)](x, y, N=9, B=16)
+
+
+GPU_BLOCK_CASES = [
+    # (seq_len, key_dim, value_dim, dtype, with_initial_state)
+    (70, 24, 80, torch.float32, True),  # Dk < BK = 64; Dv = 80: BV 64 leaves a partial block, BV 128 > Dv
+    (130, 64, 32, torch.float32, False),  # Dk != Dv, Dv < every BV, three chunks
+    (64, 16, 16, torch.float16, True),  # half precision, both dims far below the blocks
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("blocks", _gpu_block_choices() if os.environ.get("TRITON_INTERPRET") == "1" else [None])
+@pytest.mark.parametrize("seq_len,key_dim,value_dim,dtype,with_initial_state", GPU_BLOCK_CASES)
+def test_chunked_kernel_with_gpu_blocks(monkeypatch, blocks, seq_len, key_dim, value_dim, dtype, with_initial_state):
+    import triton
+
+    chunked = _chunked_module()
+    monkeypatch.setattr(chunked, "MIN_DOT_BLOCK", 64)
+    bv_sequential, bv_parallel, bv_grad = blocks
+    for kernel, bv in (
+        (chunked._state_fwd_kernel, bv_sequential),
+        (chunked._state_bwd_kernel, bv_sequential),
+        (chunked._output_kernel, bv_parallel),
+        (chunked._dv_local_kernel, bv_parallel),
+        (chunked._grad_kernel, bv_grad),
+    ):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BV": bv}, num_warps=4, num_stages=2)])
+        monkeypatch.setattr(kernel, "cache", {})
+    inputs = random_inputs(1, seq_len, 2, key_dim, value_dim, with_initial_state=with_initial_state, seed=seq_len)
+    tol = 2e-5 if dtype == torch.float32 else 4e-3
+    compare_to_float64(gated_delta_chunked_triton, inputs, dtype, tol)
 
 
 # ---------------------------------------------------------------------------------------------

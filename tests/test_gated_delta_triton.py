@@ -52,6 +52,30 @@ def test_kernels_under_the_triton_interpreter():
 # CPU without the interpreter
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="checks the GPU configs")
+def test_gpu_dot_tiles_stay_clear_of_the_hopper_miscompile():
+    """No tl.dot side below 64 in any GPU config: Triton >= 3.6 miscompiles sm_90 kernels with several
+    dots of side 16 / 32 (illegal memory access on the H200 with BV = 32). Importing chunked without
+    TRITON_INTERPRET builds the GPU config lists; nothing is compiled or launched."""
+    import triton
+
+    from atma_titan.kernels.gated_delta import chunked
+
+    assert not chunked.INTERPRET and chunked.MIN_DOT_BLOCK >= 64 and chunked.CHUNK >= 64
+    for name in ("SEQUENTIAL_CONFIGS", "PARALLEL_CONFIGS", "GRAD_CONFIGS"):
+        configs = getattr(chunked, name)
+        assert configs and all(c.kwargs["BV"] >= chunked.MIN_DOT_BLOCK for c in configs), name
+    for dim in (1, 16, 24, 64, 80, 128, 200):
+        assert chunked._block(dim) >= max(64, dim)
+    assert chunked._dims(torch.empty(1, 1, 1, 24), torch.empty(1, 1, 1, 40))["bk"] == 64
+    for kernel in (chunked._state_fwd_kernel, chunked._output_kernel, chunked._grad_kernel):
+        assert kernel.configs and all(c.kwargs["BV"] >= 64 for c in kernel.configs)
+    wide, narrow = triton.Config({"BV": 128}, num_warps=4), triton.Config({"BV": 64}, num_warps=4)
+    assert chunked._prune_wide_blocks([wide, narrow], {}, DV=40) == [narrow]
+    assert chunked._prune_wide_blocks([wide, narrow], {}, DV=80) == [wide, narrow]
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter would run the kernel")
 def test_chunked_kernel_on_cpu_names_the_reference():
     inputs = cast(random_inputs(1, 5, 1, 16, 16), torch.float32)

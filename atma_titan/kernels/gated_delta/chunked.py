@@ -34,11 +34,46 @@ import triton.language as tl
 CHUNK = 64
 L2_EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in reference.L2_NORM_EPS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# ATMA_TRITON_AUTOTUNE=0: the first config only (tests, where tuning time dominates and speed is irrelevant)
+AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
+
+
+# Smallest side of a tile that reaches a tl.dot on the GPU (BK, BVF and every BV are at least this).
+# Triton >= 3.6 miscompiles Hopper (sm_90) wgmma kernels that hold several tl.dot when a dot side is
+# 16 or 32: illegal shared-memory addresses or silently wrong tiles (triton-lang/triton#10486,
+# #10573, #11366). On the H200 this crashed the first autotuning of a BV = 32 config with Dk = 64
+# ("illegal memory access", sticky for the rest of the process). Every dot here has one side
+# C = 64, so with BK, BV >= 64 no dot side is below 64; a smaller Dk or Dv is zero-padded by masks.
+# The interpreter keeps 16 so the small CPU tests still cover several Dv blocks.
+MIN_DOT_BLOCK = 16 if INTERPRET else 64
+
+# Dv blocks (BV) of the autotuned kernels. GPU lists are all >= MIN_DOT_BLOCK on the GPU (checked by
+# tests/gated_delta_triton_cases.py, which also runs the kernels under the interpreter with them).
+GPU_BLOCK_VALUES = {"sequential": [64], "parallel": [64, 128], "grad": [64]}
+INTERPRETER_BLOCK_VALUES = {"sequential": [16, 32, 64], "parallel": [16, 64], "grad": [16, 32]}
+
+
+def _block(dim: int) -> int:
+    """Tile side for a feature dim: a power of two, at least MIN_DOT_BLOCK (read at launch time)."""
+    return max(MIN_DOT_BLOCK, triton.next_power_of_2(dim))
+
+
+def _prune_wide_blocks(configs, named_args, **kwargs):
+    """Drop configs whose BV exceeds the padded Dv (they only add masked-off work); keep at least one."""
+    value_dim = kwargs.get("DV", named_args.get("DV"))
+    if value_dim is None:
+        return configs
+    kept = [c for c in configs if c.kwargs["BV"] <= _block(value_dim)]
+    return kept or [min(configs, key=lambda c: c.kwargs["BV"])]
 
 
 def _tune(configs: list[triton.Config], key: list[str]):
     """Autotune on a GPU; under the interpreter (where several configs crash) keep the first."""
-    return triton.autotune(configs=configs[:1] if INTERPRET else configs, key=key)
+    return triton.autotune(
+        configs=configs if AUTOTUNE and not INTERPRET else configs[:1],
+        key=key,
+        prune_configs_by={"early_config_prune": _prune_wide_blocks},
+    )
 
 
 def _configs(block_values: list[int], warps: list[int], stages: list[int]) -> list[triton.Config]:
@@ -46,9 +81,10 @@ def _configs(block_values: list[int], warps: list[int], stages: list[int]) -> li
 
 
 # Under the interpreter the first config is used: BV = 16 so tests with Dv = 32 cover several Dv blocks.
-SEQUENTIAL_CONFIGS = _configs([16, 32, 64], [4, 8], [2, 3]) if INTERPRET else _configs([32, 64], [4, 8], [2, 3])
-PARALLEL_CONFIGS = _configs([16, 64], [4, 8], [2, 3]) if INTERPRET else _configs([64, 128], [4, 8], [2, 3])
-GRAD_CONFIGS = _configs([16, 32], [4, 8], [2]) if INTERPRET else _configs([32, 64], [4, 8], [1, 2])
+_BV = INTERPRETER_BLOCK_VALUES if INTERPRET else GPU_BLOCK_VALUES
+SEQUENTIAL_CONFIGS = _configs(_BV["sequential"], [4, 8], [2, 3])
+PARALLEL_CONFIGS = _configs(_BV["parallel"], [4, 8], [2, 3])
+GRAD_CONFIGS = _configs(_BV["grad"], [4, 8], [2] if INTERPRET else [1, 2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,8 +591,8 @@ def _dims(q: torch.Tensor, v: torch.Tensor) -> dict:
         "key_dim": key_dim,
         "value_dim": value_dim,
         "n_chunks": triton.cdiv(seq_len, CHUNK),
-        "bk": max(16, triton.next_power_of_2(key_dim)),
-        "bv_full": max(16, triton.next_power_of_2(value_dim)),
+        "bk": _block(key_dim),
+        "bv_full": _block(value_dim),
     }
 
 

@@ -30,6 +30,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 NORM_EPS = tl.constexpr(1e-6)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# ATMA_TRITON_AUTOTUNE=0: the first config only (tests, where tuning time dominates and speed is irrelevant)
+AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,7 +45,7 @@ def _configs(cuda_choices, interpret_choice):
     SPLIT_MASK: separate loops for masked and fully visible tiles (no mask arithmetic on most tiles), or
     one masked loop (less code for the register allocator; it can spill less).
     """
-    choices = [interpret_choice] if INTERPRET else cuda_choices
+    choices = [interpret_choice] if INTERPRET else cuda_choices if AUTOTUNE else cuda_choices[:1]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_MASK": split}, num_warps=w, num_stages=s)
         for bm, bn, w, s, split in choices
@@ -72,6 +74,8 @@ DKDV_CONFIGS = _configs(
         (32, 128, 8, 2, False),
         (64, 64, 8, 2, False),
         (64, 128, 8, 2, False),
+        (32, 128, 4, 5, True),
+        (32, 128, 4, 3, False),
     ],
     (16, 16, 1, 1, True),
 )
@@ -84,6 +88,8 @@ DQ_CONFIGS = _configs(
         (64, 64, 4, 3, True),
         (128, 32, 8, 2, False),
         (128, 64, 8, 2, False),
+        (128, 32, 4, 5, True),
+        (128, 32, 4, 3, False),
     ],
     (16, 16, 1, 1, True),
 )
