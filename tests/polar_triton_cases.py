@@ -41,9 +41,9 @@ def rounded(inputs, dtype):
     return low, [x.detach().double().requires_grad_() for x in low]
 
 
-def assert_grads_close(actual, expected, rel, abs_floor):
+def assert_grads_close(actual, expected, rel, abs_floor, names=PARAM_NAMES):
     """Max error of each gradient against its float64 counterpart, relative to that gradient's scale."""
-    for name, a, e in zip(PARAM_NAMES, actual, expected):
+    for name, a, e in zip(names, actual, expected):
         assert torch.isfinite(a).all(), name
         scale = e.abs().max().item()
         err = (a.double() - e).abs().max().item()
@@ -84,6 +84,24 @@ def test_float16_close_to_float64(case):
     actual = grads_of(polar_attention_triton, inputs16, g_c.half(), g_mag.half(), window=window)
     assert all(a.dtype == torch.float16 for a in actual)
     assert_grads_close(actual, expected, rel=2e-2, abs_floor=2e-3)
+
+
+@pytest.mark.parametrize(("shape", "seed"), [((2, 40, 40, 2, 2, 16, 0), 5), ((1, 100, 100, 2, 2, 64, 0), 12)])
+def test_float16_head_scalar_gradients(shape, seed):
+    """The per-head scalars' gradients are small residuals of per-query sums (d len_gain most of all).
+
+    The preamble's delta = g_s.s_vec comes from c saved in float16; used as is, its rounding leaves each
+    query a d temp bias that does not cancel (errors of 1-7% of scale at these shapes and seeds). The
+    kernel recomputes delta from its own g_acc.v_j products; what remains is the rounding of c and of
+    the float16 dot operands, well under 1% here. The cotangents are float16 on both sides.
+    """
+    b, tq, tk, h, hkv, d, window = shape
+    inputs16, inputs64 = rounded(make_inputs(b, tq, tk, h, hkv, d, seed=seed), torch.float16)
+    c_ref, mag_ref = polar_attention_naive(*inputs64, window=window)
+    g_c, g_mag = (g.half() for g in random_cotangents(c_ref, mag_ref))
+    expected = grads_of(polar_attention_naive, inputs64, g_c.double(), g_mag.double(), window=window)
+    actual = grads_of(polar_attention_triton, inputs16, g_c, g_mag, window=window)
+    assert_grads_close(actual[3:6], expected[3:6], rel=5e-3, abs_floor=1e-4, names=PARAM_NAMES[3:6])
 
 
 def test_each_output_alone():

@@ -73,7 +73,9 @@ def test_bf16_matches_float64(case):
     inputs16, inputs64 = _rounded_pair(make_inputs(b, tq, tk, h, hkv, d, seed=21), torch.bfloat16, "cuda")
     # the float64 ground truth on the GPU as well (materialised Tq x Tk, fine at these sizes)
     g_c, g_mag = random_cotangents(*(x.cpu() for x in polar_attention_naive(*inputs64, window=window)))
-    g_c, g_mag = g_c.cuda(), g_mag.cuda()
+    # autograd hands the kernel bf16 cotangents (c and mag are bf16): give the float64 side the same
+    # rounded values, else their rounding alone moves d len_gain by ~5% of its scale (mha_d64)
+    g_c, g_mag = (g.to(torch.bfloat16).double().cuda() for g in (g_c, g_mag))
     (c, mag), actual = _grads(polar_attention_triton, inputs16, g_c.float(), g_mag.float(), window)
     (c_ref, mag_ref), expected = _grads(polar_attention_naive, inputs64, g_c, g_mag, window)
     assert c.dtype == mag.dtype == torch.bfloat16
@@ -84,9 +86,11 @@ def test_bf16_matches_float64(case):
         scale = e.abs().max().item()
         err = (a.double() - e).abs().max().item()
         # bf16 keeps 8 bits. The per-head scalars' gradients are sums over every query of d_temp =
-        # sum_j da_j s_j, a small residual of large per-key terms that each carry the rounding of the
-        # bf16 dot operands; test_float32_inputs_on_gpu checks the same sums tightly.
-        tol = 0.03 if name in ("q", "k", "v") else 0.1
+        # sum_j da_j s_j, a small residual (d len_gain most of all); with delta recomputed from the
+        # kernel's own products the bf16 PyTorch reference stays within 1.6% of scale on these cases
+        # (mha_d64 worst; 25% before that fix), the rest is c's and g_acc's bf16 rounding.
+        # test_float32_inputs_on_gpu checks the same sums tightly.
+        tol = 0.03 if name in ("q", "k", "v") else 0.05
         assert err <= tol * scale + 1e-3, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
 
 

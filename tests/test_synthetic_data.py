@@ -289,3 +289,27 @@ def test_recall_probe_layout_and_control():
     control, _ = source.recall_probe(7, gap=40, with_needle=False)
     assert len(control) == len(tokens) and np.array_equal(control[1 + record_len :], tokens[1 + record_len :])
     assert (control == source.mark_id).sum() == 1  # only the query: nothing to recall
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"record_fraction": 1.0, "value_len": 4}])
+def test_recall_mask_is_solvable_by_an_oracle_copier(kwargs):
+    """Every masked label is the token that followed the same MARK+key earlier in the window.
+
+    An oracle that finds the previous `MARK k_1..k_K` occurrence and copies what followed it
+    predicts every recall-masked token, and the masked tokens are never the first occurrence.
+    """
+    source = SyntheticSource(512, eot_id=256, seed=3, **kwargs)
+    K, checked = source.key_len, 0
+    for index in range(200):
+        tokens, mask = source.window_with_recall_mask(index, 129)
+        for p in np.flatnonzero(mask):
+            start = p - 1
+            while tokens[start] != source.mark_id:  # the repeat's own MARK
+                start -= 1
+            assert 1 + K <= p - start < source.record_len
+            prefix = tokens[start : p]
+            earlier = [j for j in range(start) if np.array_equal(tokens[j : j + len(prefix)], prefix)]
+            assert earlier, (index, p)
+            assert {tokens[j + len(prefix)] for j in earlier} == {tokens[p]}
+            checked += 1
+    assert checked > 100

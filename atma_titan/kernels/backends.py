@@ -14,16 +14,21 @@ import torch
 
 __all__ = ["triton_installed", "triton_runs_on", "use_triton"]
 
+# Read once at import: the model asks on every forward, inside compiled blocks, where dynamo cannot
+# trace importlib (and TRITON_INTERPRET only takes effect if set before triton is imported anyway).
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def triton_runs_on(device: torch.device) -> bool:
     """True when a Triton kernel can launch on `device`: a GPU, or the CPU under TRITON_INTERPRET=1."""
-    if not triton_installed():
+    if not _TRITON_INSTALLED:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return device.type == "cuda" or (device.type == "cpu" and _INTERPRET)
 
 
 def use_triton(impl: str, device: torch.device, what: str) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 
 from atma_titan.kernels.backends import use_triton
 from atma_titan.kernels.polar import polar_attention, polar_attention_triton
+from atma_titan.kernels.polar.ops import supports_head_dim
 from atma_titan.kernels.polar.reference import polar_scalars
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import CausalDepthwiseConv, rms_norm, rotary
@@ -95,7 +96,9 @@ class GlobalAttention(nn.Module):
         """The Polar core: direction c (B, T, H, D) and count mag (B, T, H), by the configured kernel."""
         a = self.args
         scalars = (self.len_gain, self.null_base, self.null_slope, self.mag_beta, self.v_null)
-        if use_triton(a.attention_impl, q.device, "model.attention_impl"):
+        # `auto` keeps the reference for head sizes the kernel does not take; `triton` says why it can't
+        kernel_fits = a.attention_impl == "triton" or supports_head_dim(a.head_dim)
+        if kernel_fits and use_triton(a.attention_impl, q.device, "model.attention_impl"):
             return polar_attention_triton(q, k, v, *scalars, window=a.window)
         return polar_attention(q, k, v, *scalars, window=a.window, block_q=a.attention_block, block_k=a.attention_block)
 

@@ -20,12 +20,16 @@ from torch import Tensor
 
 from atma_titan.kernels.polar.reference import _check_inputs
 
-__all__ = ["polar_attention_triton"]
+__all__ = ["polar_attention_triton", "supports_head_dim"]
+
+
+def supports_head_dim(d: int) -> bool:
+    """tl.arange needs a power of two and tl.dot an inner dimension of at least 16."""
+    return 16 <= d <= 256 and d & (d - 1) == 0
 
 
 def _check_head_dim(d: int) -> None:
-    # tl.arange needs a power of two and tl.dot an inner dimension of at least 16
-    if d < 16 or d > 256 or d & (d - 1):
+    if not supports_head_dim(d):
         raise ValueError(f"the Triton Polar kernel needs a power-of-two head_dim in [16, 256], got {d}")
 
 

@@ -27,6 +27,11 @@ normalised to l = 1 (so Z = 1/keep, q2 = 1/n_eff), and
 ATMA.md writes the first term as g_s.v_j: that holds when g_s is taken with respect to the unnormalised
 acc + p_N v_null (a 1/Z factor away from s_vec) and ||s_vec|| is not clamped (then g_s.s_vec = 0).
 The form above is exact in both cases.
+
+The per-head scalars take sum_j da_j s_j and da_N with delta recomputed from the sweep's own products
+(delta' = sum_j p_j g_acc.v_j + w_N g_s.v_null) rather than from c, which is saved in the input dtype:
+see `_consistent_delta_fix`. In exact arithmetic delta' = delta; in bf16 only delta' keeps
+sum_j da_j + da_N = 0, without which d len_gain (a small residual) drowns in rounding.
 """
 
 from __future__ import annotations
@@ -346,15 +351,24 @@ class _Preamble:
         self.dp_const = self.g_l - out.keep * self.delta
         self.g_acc = out.keep[..., None] * self.g_s
         # the null entry: da_N = p_N dL/dp_N, with dm_eff/dp_N = -m_eff / Z
-        self.da_null = out.w_null * ((self.g_s * v_null_h).sum(-1) - self.delta - self.g_me * out.m_eff)
+        g_s_dot_v_null = (self.g_s * v_null_h).sum(-1)
+        self.da_null = out.w_null * (g_s_dot_v_null - self.delta - self.g_me * out.m_eff)
+        # delta - A, with A = sum_j p_j g_acc.v_j from the key sweep: see _consistent_delta_fix
+        self.delta_rest = out.w_null * g_s_dot_v_null - self.delta
 
 
 def _backward_key_sweep(layout: _Layout, q_tile, kh, vh, temp_tile, lse_tile, pre_tile, q_lo, q_hi, block_k, dk, dv):
-    """Recompute the key tiles of one query tile; returns dq_tile and sum_j da_j s_j, adds dk, dv."""
+    """Recompute the key tiles of one query tile, adding into dk, dv.
+
+    Returns dq_tile and three per-query row sums: sum_j da_j s_j, A = sum_j p_j g_acc.v_j and
+    S0 = sum_j p_j s_j (the last two for _consistent_delta_fix).
+    """
     g_acc, dp_const, g_q2 = pre_tile
     g_acc_flat = layout.flat(g_acc)
     dq = torch.zeros_like(q_tile)
     da_dot_s = dp_const.new_zeros(dp_const.shape)
+    p_dot_g = torch.zeros_like(da_dot_s)
+    p_dot_s = torch.zeros_like(da_dot_s)
     for k_lo, k_hi in _key_blocks(layout.offset + q_lo, layout.offset + q_hi - 1, layout.window, block_k):
         k_tile, v_tile = layout.kv_tile(kh, k_lo, k_hi), layout.kv_tile(vh, k_lo, k_hi)
         s, a = _score_tile(layout, q_tile, k_tile, temp_tile, q_lo, q_hi, k_lo, k_hi)
@@ -363,11 +377,30 @@ def _backward_key_sweep(layout: _Layout, q_tile, kh, vh, temp_tile, lse_tile, pr
         dl_dp = g_s_dot_v + dp_const[..., None] + 2 * g_q2[..., None] * p
         da = p * dl_dp
         da_dot_s += (da * s).sum(-1)
+        p_dot_g += (p * g_s_dot_v).sum(-1)
+        p_dot_s += (p * s).sum(-1)
         ds = layout.flat(temp_tile[..., None] * da) * layout.scale  # includes d s / d (q.k)
         dq += ds @ k_tile
         dk[:, :, k_lo:k_hi] += ds.transpose(-1, -2) @ q_tile  # sums the G query heads
         dv[:, :, k_lo:k_hi] += layout.flat(p).transpose(-1, -2) @ g_acc_flat
-    return dq, da_dot_s
+    return dq, da_dot_s, p_dot_g, p_dot_s
+
+
+def _consistent_delta_fix(da_dot_s, da_null, p_dot_g, p_dot_s, delta_rest, keep, w_null):
+    """Recompute delta = g_s.s_vec from the key sweep's own products; returns fixed (sum_j da_j s_j, da_N).
+
+    The preamble's delta comes from c, saved in the input dtype, so in bf16 it is off by ~2^-8 relative
+    from the g_acc.v_j the sweep multiplies exactly. The exact softmax identity sum_j da_j + da_N = 0
+    (shift invariance) then fails by keep * (delta' - delta), and d temp picks up a per-query bias
+    ~ (delta' - delta) * sum_j p_j s_j that does not cancel across queries, swamping d len_gain (a small
+    residual). With s_vec = keep sum_j p_j v_j + w_N v_null, the consistent value is
+    delta' = A + w_N g_s.v_null = A + delta_rest + delta, A = sum_j p_j g_acc.v_j. Swapping delta for
+    delta' shifts every dL/dp_j by -keep r (r = delta' - delta = A + delta_rest), hence
+    sum_j da_j s_j by -keep r S0 (S0 = sum_j p_j s_j), and da_N by -w_N r. dq, dk, dv keep the
+    preamble's delta (FlashAttention's D = rowsum(dO * O) has the same size of error).
+    """
+    r = p_dot_g + delta_rest
+    return da_dot_s - keep * r * p_dot_s, da_null - w_null * r
 
 
 def _polar_backward(layout: _Layout, saved, g_c, g_mag, block_q, block_k):
@@ -388,11 +421,11 @@ def _polar_backward(layout: _Layout, saved, g_c, g_mag, block_q, block_k):
     dq = q.new_empty(layout.b, hkv, layout.g, layout.tq, layout.d, dtype=cd)
     dk = q.new_zeros(layout.b, hkv, layout.tk, layout.d, dtype=cd)
     dv = torch.zeros_like(dk)
-    da_dot_s = q.new_empty(layout.b, hkv, layout.g, layout.tq, dtype=cd)
+    da_dot_s, p_dot_g, p_dot_s = (q.new_empty(layout.b, hkv, layout.g, layout.tq, dtype=cd) for _ in range(3))
     for q_lo, q_hi in _query_blocks(layout.tq, block_q):
         sl = slice(q_lo, q_hi)
         pre_tile = (pre.g_acc[..., sl, :], pre.dp_const[..., sl], pre.g_q2[..., sl])
-        dq_tile, da_dot_s[..., sl] = _backward_key_sweep(
+        dq_tile, da_dot_s[..., sl], p_dot_g[..., sl], p_dot_s[..., sl] = _backward_key_sweep(
             layout,
             layout.q_tile(qh, q_lo, q_hi),
             kh,
@@ -408,9 +441,12 @@ def _polar_backward(layout: _Layout, saved, g_c, g_mag, block_q, block_k):
         )
         dq[..., sl, :] = layout.rows(dq_tile, q_hi - q_lo)
 
+    da_dot_s, da_null = _consistent_delta_fix(
+        da_dot_s, pre.da_null, p_dot_g, p_dot_s, pre.delta_rest, out.keep, out.w_null
+    )
     # per-head scalars: a_j = temp s_j and a_N = temp null
-    d_temp = da_dot_s + pre.da_null * null
-    d_null = pre.da_null * temp
+    d_temp = da_dot_s + da_null * null
+    d_null = da_null * temp
     d_len_gain = _sum_to_head(d_temp * torch.log(layout.n)) * torch.sigmoid(alpha[..., 0]).flatten()
     d_null_base = _sum_to_head(d_null)
     d_null_slope = _sum_to_head(d_null * torch.sqrt(torch.log1p(layout.n))) * torch.sigmoid(gamma[..., 0]).flatten()

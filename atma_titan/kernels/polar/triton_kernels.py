@@ -381,6 +381,8 @@ def polar_bwd_preamble_kernel(
     DPC,
     GQ2,
     DA_NULL,
+    DELTA_REST,
+    KEEP,
     DMAG_BETA_ROW,
     DVNULL_PART,
     stride_cb,
@@ -442,7 +444,8 @@ def polar_bwd_preamble_kernel(
     g_l = g_me * m_eff * (3.0 - keep)
     g_q2 = -g_me * m_eff * n_eff
     v_null = tl.load(V_NULL + h * HEAD_DIM + offs_d)
-    da_null = w_null * (tl.sum(g_s * v_null[None, :], 1) - delta - g_me * m_eff)
+    g_s_dot_v_null = tl.sum(g_s * v_null[None, :], 1)
+    da_null = w_null * (g_s_dot_v_null - delta - g_me * m_eff)
 
     tl.store(
         GACC + b * stride_ab + h * stride_ah + rows2d * stride_at + offs_d[None, :],
@@ -453,6 +456,9 @@ def polar_bwd_preamble_kernel(
     tl.store(DPC + stats, g_l - keep * delta, mask=row_ok)
     tl.store(GQ2 + stats, g_q2, mask=row_ok)
     tl.store(DA_NULL + stats, da_null, mask=row_ok)
+    # the dq kernel replaces delta by A + this, with A from its own products (reference._consistent_delta_fix)
+    tl.store(DELTA_REST + stats, w_null * g_s_dot_v_null - delta, mask=row_ok)
+    tl.store(KEEP + stats, keep, mask=row_ok)
     tl.store(DMAG_BETA_ROW + stats, g_mag * (1.0 - mag * mag) * log1p_m_eff, mask=row_ok)
     # this tile's share of d v_null = sum_i w_null g_s
     part = tl.sum(tl.where(mask2d, w_null[:, None] * g_s, 0.0), 0)
@@ -460,7 +466,7 @@ def polar_bwd_preamble_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward: dq (and sum_j da_j s_j per query), one program per query tile and query head
+# Backward: dq (and sum_j da_j s_j, da_N per query), one program per query tile and query head
 # ----------------------------------------------------------------------------------------------
 
 
@@ -468,6 +474,8 @@ def polar_bwd_preamble_kernel(
 def _dq_key_tiles(
     dq,
     da_s,
+    p_g,
+    p_s,
     q,
     g_acc,
     row_scale,
@@ -499,11 +507,13 @@ def _dq_key_tiles(
             vis = _visibility(q_pos[:, None], k_pos[None, :], window) & (k_pos < Tk)[None, :]
             a = tl.where(vis, a, float("-inf"))
         p = tl.math.exp2(a)  # weights among the real keys, normalised to l = 1
-        dp = tl.dot(g_acc, tl.trans(v), input_precision=DOT_PRECISION)
-        da = p * (dp + dp_const[:, None] + 2.0 * g_q2[:, None] * p)
+        p_dp = p * tl.dot(g_acc, tl.trans(v), input_precision=DOT_PRECISION)
+        da = p_dp + p * (dp_const[:, None] + 2.0 * g_q2[:, None] * p)
         da_s += tl.sum(da * qk, 1)
+        p_g += tl.sum(p_dp, 1)  # A = sum_j p_j g_acc.v_j
+        p_s += tl.sum(p * qk, 1)  # S0 = sum_j p_j q.k_j
         dq = tl.dot(da.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq, da_s
+    return dq, da_s, p_g, p_s
 
 
 @triton.autotune(configs=DQ_CONFIGS, key=["Tq", "Tk", "HEAD_DIM", "GROUP"])
@@ -516,9 +526,13 @@ def polar_bwd_dq_kernel(
     LSE2,
     DPC,
     GQ2,
+    DELTA_REST,
+    KEEP,
+    DA_NULL_IN,
     SP_ALPHA,
     DQ,
     DA_S,
+    DA_NULL,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -569,26 +583,38 @@ def polar_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, BLOCK_N)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # row sums: da_s = sum_j da_j q.k_j, p_g = sum_j p_j g_acc.v_j, p_s = sum_j p_j q.k_j
     da_s = tl.zeros([BLOCK_M], tl.float32)
+    p_g = tl.zeros([BLOCK_M], tl.float32)
+    p_s = tl.zeros([BLOCK_M], tl.float32)
     args = (q, g_acc, row_scale, lse2, dp_const, g_q2, q_pos, k_base, v_base, stride_kt, stride_vt)
     if SPLIT_MASK:
-        dq, da_s = _dq_key_tiles(
-            dq, da_s, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION
+        dq, da_s, p_g, p_s = _dq_key_tiles(
+            dq, da_s, p_g, p_s, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
+            DOT_PRECISION,
+        )  # fmt: skip
+        dq, da_s, p_g, p_s = _dq_key_tiles(
+            dq, da_s, p_g, p_s, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM, False, BLOCK_N, DOT_PRECISION
         )
-        dq, da_s = _dq_key_tiles(
-            dq, da_s, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM, False, BLOCK_N, DOT_PRECISION
-        )
-        dq, da_s = _dq_key_tiles(
-            dq, da_s, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
+        dq, da_s, p_g, p_s = _dq_key_tiles(
+            dq, da_s, p_g, p_s, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
             DOT_PRECISION,
         )  # fmt: skip
     else:
-        dq, da_s = _dq_key_tiles(dq, da_s, *args, lo, hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION)
+        dq, da_s, p_g, p_s = _dq_key_tiles(
+            dq, da_s, p_g, p_s, *args, lo, hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION
+        )
     # ds = temp * da * scale is the gradient with respect to q.k
     dq = dq * (temp * sm_scale)[:, None]
     dq_tile = _tile(DQ + row_off, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM)
     _store_tile(dq_tile, dq)
-    tl.store(DA_S + stats, da_s * sm_scale, mask=row_ok)
+    # the per-head scalars take delta' = A + delta_rest, consistent with this sweep's g_acc.v_j products
+    # (reference._consistent_delta_fix): sum_j da_j s_j moves by -keep r S0 and da_N by -w_N r
+    r = p_g + tl.load(DELTA_REST + stats, mask=row_ok, other=0.0)
+    keep = tl.load(KEEP + stats, mask=row_ok, other=1.0)
+    tl.store(DA_S + stats, (da_s - keep * r * p_s) * sm_scale, mask=row_ok)
+    da_null = tl.load(DA_NULL_IN + stats, mask=row_ok, other=0.0)
+    tl.store(DA_NULL + stats, da_null - (1.0 - keep) * r, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -794,13 +820,14 @@ def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int,
     """Launch the per-query backward preamble; returns its per-query outputs."""
     b, tq, h, d = q.shape
     g_acc = torch.empty_like(q)
-    lse2, dp_const, g_q2, da_null, dmag_row = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(5))
+    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(7)]
+    lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row = stats
     n_tiles = triton.cdiv(tq, PREAMBLE_BLOCK_M)
     dvnull_part = q.new_empty(b, h, n_tiles, d, dtype=torch.float32)
     polar_bwd_preamble_kernel[(n_tiles, b * h)](
         c, g_c, g_mag, lse, n_eff, s_norm,
         params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
-        g_acc, lse2, dp_const, g_q2, da_null, dmag_row, dvnull_part,
+        g_acc, lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part,
         c.stride(0), c.stride(1), c.stride(2),
         g_c.stride(0), g_c.stride(1), g_c.stride(2),
         g_mag.stride(0), g_mag.stride(1), g_mag.stride(2),
@@ -809,7 +836,7 @@ def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int,
         HEAD_DIM=d, BLOCK_M=PREAMBLE_BLOCK_M,
         num_warps=PREAMBLE_WARPS,
     )  # fmt: skip
-    return g_acc, lse2, dp_const, g_q2, da_null, dmag_row, dvnull_part
+    return g_acc, lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part
 
 
 def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq, tk, window):
@@ -842,13 +869,13 @@ def polar_backward(
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     params = HeadParams(len_gain, null_base, null_slope, mag_beta, v_null)
-    g_acc, lse2, dp_const, g_q2, da_null, dmag_row, dvnull_part = _preamble(
+    g_acc, lse2, dp_const, g_q2, da_null_pre, delta_rest, keep, dmag_row, dvnull_part = _preamble(
         q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    da_s = q.new_empty(b, h, tq, dtype=torch.float32)
+    da_s, da_null = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(2))
     scale = 1.0 / math.sqrt(d)
     common = dict(GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
@@ -857,9 +884,11 @@ def polar_backward(
     def dq_grid(meta):
         return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
 
+    # da_null is a separate output (not updated in place): autotuning reruns the kernel
     polar_bwd_dq_kernel[dq_grid](
-        q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dq, da_s, *strides, tq, tk, h, window, scale, **common
-    )
+        q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, dq, da_s, da_null,
+        *strides, tq, tk, h, window, scale, **common,
+    )  # fmt: skip
 
     def dkdv_grid(meta):
         return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
