@@ -155,6 +155,12 @@ class Data:
     text_field: str = opt("text", "jsonl / parquet / hf: the field that holds the document text.")
     tokenizer: str = opt("byte", "byte, gpt2 (tiktoken), or a tokenizer.json path / Hugging Face hub id.")
     seed: int = opt(1234, "Seed of the synthetic source.")
+    recall_weight: float = opt(
+        1.0,
+        "synthetic: training-loss weight of the planted recall tokens (1 = the plain LM loss). The filler "
+        "language is easy to learn and its gradient drowns the copy signal of a tiny model; weighting the "
+        "recall tokens lets induction form (the small-scale reproduction uses it).",
+    )
     num_workers: int = opt(0, "Data-loader worker processes per rank.")
 
 
@@ -420,6 +426,13 @@ def validate(cfg: JobConfig) -> None:
     need(t.max_norm >= 0, "training.max_norm", t.max_norm, ">= 0")
     need(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, "an integer >= 1")
     need(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "an integer >= 0")
+    need(cfg.data.recall_weight > 0, "data.recall_weight", cfg.data.recall_weight, "a number > 0")
+    need(
+        cfg.data.recall_weight == 1.0 or cfg.data.source == "synthetic",
+        "data.recall_weight",
+        cfg.data.recall_weight,
+        "1.0 unless data.source = synthetic (only the synthetic source plants recall records)",
+    )
     need(
         0.0 <= cfg.lr_scheduler.decay_start <= 1.0,
         "lr_scheduler.decay_start",

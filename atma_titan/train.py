@@ -137,8 +137,12 @@ def gradient_accumulation(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
     return global_batch, global_batch // per_step
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed next-token CE; with `weights` (data.recall_weight) each label's term is scaled by its weight."""
+    if weights is None:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    per_label = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+    return (per_label * weights.flatten()).sum()
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -317,13 +321,13 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                 loss_sum = torch.zeros((), device=device)
                 aux_sum = torch.zeros((), device=device)
                 for micro in range(accum):
-                    inputs, labels = (t.to(device, non_blocking=True) for t in next(batches))
+                    inputs, labels, *weights = (t.to(device, non_blocking=True) for t in next(batches))
                     if dims.distributed:  # reduce-scatter gradients once, after the last micro-batch
                         model.set_requires_gradient_sync(micro == accum - 1)
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
                         logits, aux = model(inputs, return_aux=True)
                     # sum CE / tokens of the whole global batch: micro-batches and ranks add up to the mean.
-                    loss = loss_fn(logits, labels) / tokens_per_step
+                    loss = loss_fn(logits, labels, *weights) / tokens_per_step
                     if step == cfg.debug.nan_at_step:
                         loss = loss * float("nan")
                     total = loss if aux is None else loss + aux / (accum * dims.dp_degree)

@@ -345,6 +345,9 @@ def main() -> None:
 
     import triton
 
+    from atma_titan.kernels.backends import autotune_choices
+    from atma_titan.kernels.gated_delta import chunked as chunked_kernels
+
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -355,6 +358,7 @@ def main() -> None:
         "decode_graph_steps": GRAPH_STEPS,
         "decode_rotations": ROTATIONS,
         "step_sweep": step_sweep,
+        "autotune_choices": autotune_choices(chunked_kernels),
     }
     out = output_path(args.out, gpu_slug())
     out.parent.mkdir(parents=True, exist_ok=True)

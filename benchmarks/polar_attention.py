@@ -247,6 +247,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     import triton
 
+    from atma_titan.kernels.backends import autotune_choices
+    from atma_titan.kernels.polar import triton_kernels
+
     record = {
         "gpu": gpu,
         "torch": torch.__version__,
@@ -254,6 +257,7 @@ def main() -> None:
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "causal": True},
         "flops": "4*B*H*T^2*D/2 forward, x3.5 forward+backward",
         "results": rows,
+        "autotune_choices": autotune_choices(triton_kernels),
     }
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from atma_titan.data import SyntheticSource
@@ -62,3 +63,23 @@ def test_loader_state_resumes_exactly_with_and_without_workers():
         it2 = iter(resumed)
         got = [next(it2)[0] for _ in range(3)]
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), f"workers={workers}"
+
+
+def test_recall_weight_marks_the_recall_labels():
+    inputs, labels, weights = next(iter(build_dataloader(SOURCE, 64, global_batch=4, micro_batch=4, recall_weight=7.5)))
+    assert weights.shape == labels.shape and weights.dtype == torch.float32
+    for row in range(4):
+        window, mask = SOURCE.window_with_recall_mask(row, 65)
+        assert torch.equal(labels[row], torch.from_numpy(window[1:]))
+        expected = torch.where(torch.from_numpy(mask[1:]), 7.5, 1.0)
+        assert torch.equal(weights[row], expected)
+    assert (weights == 7.5).any() and (weights == 1.0).any()
+
+
+def test_recall_weight_needs_a_source_with_recall_records():
+    class Plain:
+        def window(self, index, length):
+            return SOURCE.window(index, length)
+
+    with pytest.raises(ValueError, match="recall records"):
+        RankBatches(Plain(), 8, 4, 2, recall_weight=2.0)

@@ -307,7 +307,7 @@ def test_recall_mask_is_solvable_by_an_oracle_copier(kwargs):
             while tokens[start] != source.mark_id:  # the repeat's own MARK
                 start -= 1
             assert 1 + K <= p - start < source.record_len
-            prefix = tokens[start : p]
+            prefix = tokens[start:p]
             earlier = [j for j in range(start) if np.array_equal(tokens[j : j + len(prefix)], prefix)]
             assert earlier, (index, p)
             assert {tokens[j + len(prefix)] for j in earlier} == {tokens[p]}

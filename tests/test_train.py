@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from atma_titan.config import load_config
 from atma_titan.train import train
@@ -129,3 +130,24 @@ def test_fine_tune_from_weights_and_export_safetensors(tmp_path):
     first_pre = [r for r in read_metrics(tmp_path / "pre") if r["step"] == 1][0]["loss"]
     assert tuned["loss"] < first_pre  # it started from the trained weights, not from scratch
     assert torch.isfinite(exported["embed.weight"]).all()
+
+
+def test_recall_weight_scales_the_recall_labels_of_the_loss(tmp_path):
+    """Same model, same first batch: the weighted first-step loss is the plain one plus (w - 1) x the recall part."""
+    from atma_titan.train import cross_entropy_sum
+
+    logits = torch.randn(2, 6, 11)
+    labels = torch.randint(0, 11, (2, 6))
+    weights = torch.ones(2, 6)
+    weights[0, 2] = weights[1, 5] = 4.0
+    per_label = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 6)
+    expected = per_label.sum() + 3.0 * (per_label[0, 2] + per_label[1, 5])
+    torch.testing.assert_close(cross_entropy_sum(logits, labels, weights), expected)
+
+    plain = tmp_path / "plain"
+    weighted = tmp_path / "weighted"
+    for folder, extra in ((plain, []), (weighted, ["--data.recall_weight", "25"])):
+        cfg = load_config(["--config", "train_configs/debug_model.toml", *SMALL, "--training.steps", "1", *extra])
+        cfg.job.dump_folder = str(folder)
+        train(cfg)
+    assert read_metrics(weighted)[0]["loss"] > read_metrics(plain)[0]["loss"]  # recall tokens now count 25 times

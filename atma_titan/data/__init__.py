@@ -99,8 +99,8 @@ class TrainData:
         start_window: int,
         pin_memory: bool,
     ):
-        """A StatefulDataLoader of (inputs, labels) micro-batches; random-access sources start at `start_window`
-        (a position in the global stream, valid at any world size)."""
+        """A StatefulDataLoader of (inputs, labels) micro-batches (plus loss weights with data.recall_weight);
+        random-access sources start at `start_window` (a position in the global stream, valid at any world size)."""
         from atma_titan.data.loader import build_dataloader
         from atma_titan.data.packing import build_text_dataloader
 
@@ -116,6 +116,7 @@ class TrainData:
                 start_window=start_window,
                 num_workers=workers,
                 pin_memory=pin_memory,
+                recall_weight=self.cfg.recall_weight,
             )
         return build_text_dataloader(
             self.source,

@@ -21,8 +21,15 @@ class WindowSource(Protocol):
     def window(self, index: int, length: int) -> np.ndarray: ...
 
 
+class RecallSource(WindowSource, Protocol):
+    def window_with_recall_mask(self, index: int, length: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
 class RankBatches(IterableDataset):
     """This rank's share of the global window stream, as micro-batches of (inputs, labels), each (b, seq_len).
+
+    With `recall_weight` != 1 (a source that plants recall records) a third tensor follows: per-label
+    loss weights, `recall_weight` on the recall tokens and 1 elsewhere.
 
     With several loader workers, worker w builds this rank's micro-batches w, w + n, w + 2n, ...; the
     loader takes workers in turn, so the batches are the same for any number of workers. The state
@@ -38,7 +45,10 @@ class RankBatches(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         start_window: int = 0,
+        recall_weight: float = 1.0,
     ):
+        if recall_weight != 1.0 and not hasattr(source, "window_with_recall_mask"):
+            raise ValueError(f"recall_weight needs a source with recall records, not {type(source).__name__}")
         if global_batch % (world_size * micro_batch):
             raise ValueError(
                 f"a global batch of {global_batch} sequences does not split into micro-batches of "
@@ -47,6 +57,7 @@ class RankBatches(IterableDataset):
         self.source, self.seq_len, self.micro_batch = source, seq_len, micro_batch
         self.global_batch, self.per_rank = global_batch, global_batch // world_size
         self.rank, self.start_window = rank, start_window
+        self.recall_weight = recall_weight
         self.next_batch: int | None = None  # None: start at this worker's first batch
 
     def global_index(self, sample: int) -> int:
@@ -54,13 +65,18 @@ class RankBatches(IterableDataset):
         step, within = divmod(sample, self.per_rank)
         return self.start_window + step * self.global_batch + self.rank * self.per_rank + within
 
-    def batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, b: int) -> tuple[torch.Tensor, ...]:
         first = b * self.micro_batch
-        windows = [
-            self.source.window(self.global_index(s), self.seq_len + 1) for s in range(first, first + self.micro_batch)
-        ]
+        indices = [self.global_index(s) for s in range(first, first + self.micro_batch)]
+        if self.recall_weight == 1.0:
+            windows = [self.source.window(i, self.seq_len + 1) for i in indices]
+            tokens = torch.from_numpy(np.stack(windows).astype(np.int64))
+            return tokens[:, :-1], tokens[:, 1:]
+        windows, masks = zip(*(self.source.window_with_recall_mask(i, self.seq_len + 1) for i in indices))
         tokens = torch.from_numpy(np.stack(windows).astype(np.int64))
-        return tokens[:, :-1], tokens[:, 1:]
+        recall = torch.from_numpy(np.stack(masks)[:, 1:])  # aligned with the labels
+        weights = torch.where(recall, self.recall_weight, 1.0).float()
+        return tokens[:, :-1], tokens[:, 1:], weights
 
     def __iter__(self):
         info = get_worker_info()
@@ -101,7 +117,8 @@ def build_dataloader(
     start_window: int = 0,
     num_workers: int = 0,
     pin_memory: bool = False,
+    recall_weight: float = 1.0,
 ):
     """This rank's micro-batches of a random-access source; its state_dict() resumes it exactly."""
-    dataset = RankBatches(source, seq_len, global_batch, micro_batch, rank, world_size, start_window)
+    dataset = RankBatches(source, seq_len, global_batch, micro_batch, rank, world_size, start_window, recall_weight)
     return stateful_loader(dataset, num_workers, pin_memory)

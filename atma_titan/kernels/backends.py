@@ -50,3 +50,17 @@ def use_triton(impl: str, device: torch.device, what: str) -> bool:
             )
         return True
     raise ValueError(f"{what} = {impl!r} is unknown")
+
+
+def autotune_choices(module) -> dict[str, list[str]]:
+    """The configs the autotuner picked so far, per kernel of `module` (benchmarks record them, so the
+    lists of candidates can be pruned to what wins on a given GPU)."""
+    from triton.runtime.autotuner import Autotuner
+
+    choices = {}
+    for name, kernel in vars(module).items():
+        if isinstance(kernel, Autotuner):
+            picked = set(kernel.cache.values()) or {getattr(kernel, "best_config", None)} - {None}
+            if picked:
+                choices[name] = sorted(str(config) for config in picked)
+    return choices

@@ -33,6 +33,9 @@ import triton.language as tl
 
 CHUNK = 64
 L2_EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in reference.L2_NORM_EPS
+# (I + A)^{-1}: diagonal blocks of INVERSE_BLOCK by forward substitution, then INVERSE_LEVELS doublings to CHUNK
+INVERSE_BLOCK = tl.constexpr(16)
+INVERSE_LEVELS = tl.constexpr(2)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ATMA_TRITON_AUTOTUNE=0: the first config only (tests, where tuning time dominates and speed is irrelevant)
 AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
@@ -159,14 +162,38 @@ def _decay_matrix(g, rows, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(a, rows, C: tl.constexpr):
-    """(I + a)^{-1} for a strictly lower triangular a, by forward substitution row by row in fp32:
-    row i of the inverse is e_i - sum_{j<i} a_ij (row j), and rows j < i are final when i is reached."""
+def _unit_lower_inverse(a, rows, C: tl.constexpr, PREC: tl.constexpr):
+    """(I + a)^{-1} for a strictly lower triangular a, in fp32, blocked.
+
+    1. The B x B diagonal blocks, all C / B of them at once, by forward substitution (B - 1 steps
+       instead of C - 1): step s finishes row s of every block, e_i - sum_{j<i} a_ij (row j), the
+       rows j < i of its block being final. Within the block diagonal the C / B rows of step s touch
+       disjoint columns, so their a_ij gather into one vector and their updates into one reduction.
+    2. Doubling, B -> 2B -> ... -> C: with X the inverse of the block diagonal of I + a in blocks of L,
+       and E the part of a in the lower-left L x L block of every 2L x 2L diagonal block,
+       X - X E X = [[X1, 0], [-X2 E X1, X2]] inverts the 2L block diagonal exactly. X E X lands where X
+       is zero, so nothing cancels (unlike a Neumann series / product form, which subtracts large terms).
+       The products are C x C x C dots (no side below C = 64, see MIN_DOT_BLOCK) with fp32 accuracy:
+       PREC is "tf32x3" for half inputs and "ieee" for fp32 ones."""
+    B: tl.constexpr = INVERSE_BLOCK
+    tl.static_assert(C == B << INVERSE_LEVELS)
+    block = rows // B
+    same_block = block[:, None] == block[None, :]
+    in_block = rows % B
+    a_t = tl.trans(a)  # a_t[j, i] = a[i, j]: the row gather below then reduces within a row of the tile
     inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        a_row = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # a[i, :], indexed by j
-        update = tl.sum(a_row[:, None] * inverse, axis=0)  # sum_j a_ij inverse[j, :]
-        inverse = tl.where(rows[:, None] == i, inverse - update[None, :], inverse)
+    for s in range(1, B):
+        # a[i, j] for i = row s of j's block (zero for j >= i: a is strictly lower), indexed by j
+        a_rows = tl.sum(tl.where(same_block & (in_block[None, :] == s), a_t, 0.0), axis=1)
+        update = tl.sum(a_rows[:, None] * inverse, axis=0)  # column c: row s of c's block
+        inverse = tl.where(same_block & (in_block[:, None] == s), inverse - update[None, :], inverse)
+    for level in tl.static_range(INVERSE_LEVELS):
+        size = B << level
+        pair = rows // size
+        lower_left = (pair[:, None] == pair[None, :] + 1) & (pair[:, None] % 2 == 1)
+        e = tl.where(lower_left, a, 0.0)
+        x_e = tl.dot(inverse, e, input_precision=PREC)
+        inverse = inverse - tl.dot(x_e, inverse, input_precision=PREC)
     return inverse
 
 
@@ -193,6 +220,8 @@ def _prepare_kernel(
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
     PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+    STORE_INVERSE: tl.constexpr,
 ):
     n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
@@ -214,11 +243,11 @@ def _prepare_kernel(
     k_dt = k.to(DT)
     key_overlap = tl.dot(k_dt, tl.trans(k_dt), input_precision=PREC)
     a = beta[:, None] * key_overlap * _decay_matrix(g, rows, True)
-    inverse = _unit_lower_inverse(a, rows, C)
-    square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
-    tl.store(inverse_ptr + square, inverse)
+    inverse_dt = _unit_lower_inverse(a, rows, C, INV_PREC).to(DT)
+    if STORE_INVERSE:  # only the backward reads it (in the dtype of the products it feeds)
+        square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
+        tl.store(inverse_ptr + square, inverse_dt)
 
-    inverse_dt = inverse.to(DT)
     w = tl.dot(inverse_dt, (k * (beta * tl.exp(g))[:, None]).to(DT), input_precision=PREC)
     tl.store(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), w.to(DT), mask=(k_cols < DK)[None, :])
     v = _load_tokens(v_ptr, b, h, t, t_mask, v_cols, T, H, DV)
@@ -581,6 +610,11 @@ def _dot_setup(q: torch.Tensor) -> tuple[torch.dtype, str]:
     raise TypeError(f"the Triton gated delta kernels take bf16, fp16 or fp32 inputs, got {q.dtype}")
 
 
+def _inverse_precision(prec: str) -> str:
+    """Precision of the (I + A)^{-1} doubling products: fp32-accurate either way (tf32x3 on the tensor cores)."""
+    return "ieee" if prec == "ieee" else "tf32x3"
+
+
 def _dims(q: torch.Tensor, v: torch.Tensor) -> dict:
     batch, seq_len, heads, key_dim = q.shape
     value_dim = v.shape[-1]
@@ -596,8 +630,8 @@ def _dims(q: torch.Tensor, v: torch.Tensor) -> dict:
     }
 
 
-def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool):
-    """Run _prepare_kernel and _state_fwd_kernel; everything the output and the backward need."""
+def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, keep_inverse: bool):
+    """Run _prepare_kernel and _state_fwd_kernel; everything the output (and with keep_inverse the backward) needs."""
     d = _dims(q, v)
     dot_dtype, prec = _dot_setup(q)
     bh, n_chunks = d["batch"] * d["heads"], d["n_chunks"]
@@ -605,17 +639,19 @@ def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: b
     device = q.device
     ws = {
         "g": torch.empty(bh, padded_len, device=device, dtype=torch.float32),
-        "inverse": torch.empty(bh, n_chunks, CHUNK, CHUNK, device=device, dtype=torch.float32),
         "w": torch.empty(bh, padded_len, d["key_dim"], device=device, dtype=dot_dtype),
         "u_tilde": torch.empty(bh, padded_len, d["value_dim"], device=device, dtype=dot_dtype),
         "u": torch.empty(bh, padded_len, d["value_dim"], device=device, dtype=dot_dtype),
         "states": torch.empty(bh, n_chunks, d["value_dim"], d["key_dim"], device=device, dtype=dot_dtype),
     }
+    if keep_inverse:
+        ws["inverse"] = torch.empty(bh, n_chunks, CHUNK, CHUNK, device=device, dtype=dot_dtype)
     final_state = torch.empty(d["batch"], d["heads"], d["value_dim"], d["key_dim"], device=device, dtype=torch.float32)
     common = {"H": d["heads"], "DK": d["key_dim"], "DV": d["value_dim"], "BK": d["bk"], "C": CHUNK}
     _prepare_kernel[(n_chunks, bh)](
-        k, v, log_gamma, beta, ws["g"], ws["inverse"], ws["w"], ws["u_tilde"], d["seq_len"],
-        BVF=d["bv_full"], NORMALIZE=normalize_qk, PREC=prec, num_warps=8, **common,
+        k, v, log_gamma, beta, ws["g"], ws["inverse"] if keep_inverse else ws["w"], ws["w"], ws["u_tilde"],
+        d["seq_len"], BVF=d["bv_full"], NORMALIZE=normalize_qk, PREC=prec, INV_PREC=_inverse_precision(prec),
+        STORE_INVERSE=keep_inverse, num_warps=8, **common,
     )  # fmt: skip
     _state_fwd_kernel[lambda meta: (triton.cdiv(d["value_dim"], meta["BV"]), bh)](
         k, ws["g"], ws["w"], ws["u_tilde"], ws["u"], ws["states"],
@@ -635,7 +671,9 @@ def chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool):
     batch, seq_len, heads, key_dim = q.shape
     if seq_len == 0:
         return _empty_sequence(q, v, initial_state)
-    d, ws, final_state, common, prec = _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+    d, ws, final_state, common, prec = _forward_workspaces(
+        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_inverse=False
+    )
     r = torch.empty_like(v)
     _output_kernel[lambda meta: (d["n_chunks"], batch * heads, triton.cdiv(d["value_dim"], meta["BV"]))](
         q, k, ws["g"], ws["u"], ws["states"], r, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common
@@ -653,7 +691,9 @@ def chunk_backward(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normaliz
     dlog_gamma, dbeta = torch.empty_like(log_gamma), torch.empty_like(beta)
     if seq_len == 0:
         return dq, dk, dv, dlog_gamma, dbeta, dfinal.float().clone()
-    d, ws, _, common, prec = _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+    d, ws, _, common, prec = _forward_workspaces(
+        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_inverse=True
+    )
     bh, n_chunks = batch * heads, d["n_chunks"]
     du_local = torch.empty(ws["u"].shape, device=q.device, dtype=torch.float32)
     du = torch.empty_like(du_local)
