@@ -2,12 +2,12 @@
 equals the uninterrupted one token for token."""
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from atma_titan.config import Data
 from atma_titan.data import TrainData
 from atma_titan.data.shards import write_shard
 
@@ -50,7 +50,7 @@ def make_source(kind, tmp_path):
             for d, t in enumerate(docs):
                 (tmp_path / f"d{d:03d}.txt").write_text(t)
         cfg.update(source="text", path=str(tmp_path / f"d*.{kind}"))
-    return SimpleNamespace(**cfg)
+    return Data(**cfg)  # the real [data] section: every key the loaders read has its default
 
 
 def loader(data, rank, world):
