@@ -241,7 +241,7 @@ def _fwd_key_tiles(
     return acc, l, q2, m
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=["Tq", "Tk", "HEAD_DIM", "GROUP"])
+@triton.autotune(configs=FWD_CONFIGS, key=["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"])
 @triton.jit
 def polar_fwd_kernel(
     Q,
@@ -277,6 +277,8 @@ def polar_fwd_kernel(
     H,
     window,
     sm_scale,
+    TQ_BUCKET,  # autotuning key only: lengths rounded up to a power of two
+    TK_BUCKET,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -516,7 +518,7 @@ def _dq_key_tiles(
     return dq, da_s, p_g, p_s
 
 
-@triton.autotune(configs=DQ_CONFIGS, key=["Tq", "Tk", "HEAD_DIM", "GROUP"])
+@triton.autotune(configs=DQ_CONFIGS, key=["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"])
 @triton.jit
 def polar_bwd_dq_kernel(
     Q,
@@ -547,6 +549,8 @@ def polar_bwd_dq_kernel(
     H,
     window,
     sm_scale,
+    TQ_BUCKET,  # autotuning key only: lengths rounded up to a power of two
+    TK_BUCKET,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -682,7 +686,7 @@ def _dkdv_query_tiles(
     return dk, dv
 
 
-@triton.autotune(configs=DKDV_CONFIGS, key=["Tq", "Tk", "HEAD_DIM", "GROUP"])
+@triton.autotune(configs=DKDV_CONFIGS, key=["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"])
 @triton.jit
 def polar_bwd_dkdv_kernel(
     Q,
@@ -709,6 +713,8 @@ def polar_bwd_dkdv_kernel(
     H,
     window,
     sm_scale,
+    TQ_BUCKET,  # autotuning key only: lengths rounded up to a power of two
+    TK_BUCKET,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -810,10 +816,16 @@ def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
         v.stride(0), v.stride(1), v.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
         mag.stride(0), mag.stride(1), mag.stride(2),
-        tq, tk, h, window, 1.0 / math.sqrt(d),
+        tq, tk, h, window, 1.0 / math.sqrt(d), *length_buckets(tq, tk),
         GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
     return c, mag, lse, n_eff, s_norm
+
+
+def length_buckets(tq: int, tk: int) -> tuple[int, int]:
+    """Autotuning keys: Tq and Tk rounded up to powers of two, so an evaluation over many lengths
+    tunes once per octave instead of once per length."""
+    return triton.next_power_of_2(tq), triton.next_power_of_2(tk)
 
 
 def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int):
@@ -887,14 +899,15 @@ def polar_backward(
     # da_null is a separate output (not updated in place): autotuning reruns the kernel
     polar_bwd_dq_kernel[dq_grid](
         q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, dq, da_s, da_null,
-        *strides, tq, tk, h, window, scale, **common,
+        *strides, tq, tk, h, window, scale, *length_buckets(tq, tk), **common,
     )  # fmt: skip
 
     def dkdv_grid(meta):
         return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
 
     polar_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dk, dv, *strides, tq, tk, h, window, scale, **common
-    )
+        q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dk, dv, *strides, tq, tk, h, window, scale,
+        *length_buckets(tq, tk), **common,
+    )  # fmt: skip
     head_grads = _head_gradients(params, da_s, da_null, dmag_row, dvnull_part, tq, tk, window)
     return (dq, dk, dv, *head_grads)
