@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_gated_delta_reference import random_inputs
 
 from atma_titan.kernels.gated_delta import (
     gated_delta_chunked,
@@ -103,24 +104,6 @@ def _bounds_checked():
         return
     with interpreter_bounds_check():
         yield
-
-
-def random_inputs(batch, seq_len, heads, key_dim, value_dim, *, with_initial_state=True, seed=0, device="cpu"):
-    """Float64 leaves drawn as the model draws them (gates in log space for gamma)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=F64)
-
-    inputs = {
-        "q": randn(batch, seq_len, heads, key_dim),
-        "k": randn(batch, seq_len, heads, key_dim),
-        "v": randn(batch, seq_len, heads, value_dim),
-        "log_gamma": F.logsigmoid(randn(batch, seq_len, heads) + 2.0),
-        "beta": torch.sigmoid(randn(batch, seq_len, heads)),
-        "initial_state": randn(batch, heads, value_dim, key_dim) if with_initial_state else None,
-    }
-    return {name: None if x is None else x.to(device) for name, x in inputs.items()}
 
 
 def cast(inputs, dtype):

@@ -190,10 +190,12 @@ class HandModel(nn.Module):
 
 
 class Induction(HandModel):
-    """Exact induction: find the earlier place where the last 8 tokens occurred, predict what followed."""
+    """Exact induction: find the earlier place where the last `span` tokens occurred, predict what followed."""
+
+    span = 8
 
     def guess(self, tokens):
-        m, out = 8, np.full(len(tokens), -1)
+        m, out = self.span, np.full(len(tokens), -1)
         windows = np.lib.stride_tricks.sliding_window_view(tokens, m)
         for t in range(m - 1, len(tokens)):
             hits = np.flatnonzero((windows[: t - m + 1] == tokens[t - m + 1 : t + 1]).all(axis=1))
@@ -443,6 +445,10 @@ def run_dir(tmp_path_factory):
     return dump
 
 
+# A quick needle + length curve: two gaps, two lengths, two trials / documents each.
+SMALL_EVAL = ["--gaps", "64,128", "--trials", "2", "--length-curve", "--lengths", "64,128", "--documents", "2"]
+
+
 def run_eval(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "atma_titan.eval", *args],
@@ -474,15 +480,7 @@ def test_command_on_the_run_folder_dcp(run_dir):
     proc = run_eval(
         "--checkpoint",
         str(run_dir),
-        "--gaps",
-        "64,128",
-        "--trials",
-        "2",
-        "--length-curve",
-        "--lengths",
-        "64,128",
-        "--documents",
-        "2",
+        *SMALL_EVAL,
         "--depths",
         "0,0.5",
         "--passkey",
@@ -502,15 +500,7 @@ def test_command_on_the_exported_safetensors(run_dir, tmp_path):
     proc = run_eval(
         "--checkpoint",
         str(run_dir / "model.safetensors"),
-        "--gaps",
-        "64,128",
-        "--trials",
-        "2",
-        "--length-curve",
-        "--lengths",
-        "64,128",
-        "--documents",
-        "2",
+        *SMALL_EVAL,
         "--haystack",
         "data",
         "--out",

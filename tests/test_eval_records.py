@@ -5,7 +5,6 @@ import math
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from test_eval import TRAIN, Induction
 
@@ -18,14 +17,7 @@ from atma_titan.train import train
 class ShortInduction(Induction):
     """Induction on the last 3 tokens: exactly what recalling `MARK key -> value` needs."""
 
-    def guess(self, tokens):
-        m, out = 3, np.full(len(tokens), -1)
-        windows = np.lib.stride_tricks.sliding_window_view(tokens, m)
-        for t in range(m - 1, len(tokens)):
-            hits = np.flatnonzero((windows[: t - m + 1] == tokens[t - m + 1 : t + 1]).all(axis=1))
-            if len(hits):
-                out[t] = tokens[hits[-1] + m]
-        return out
+    span = 3
 
 
 def test_perfect_recall_scores_one_and_the_control_has_nothing_to_recall():

@@ -25,6 +25,7 @@ def random_inputs(
     seed=0,
     with_initial_state=True,
     requires_grad=False,
+    device="cpu",
 ):
     """q, k, v, log_gamma, beta, initial_state as leaves (gates drawn as the model draws them)."""
     gen = torch.Generator().manual_seed(seed)
@@ -41,7 +42,10 @@ def random_inputs(
         "beta": torch.sigmoid(randn(batch, seq_len, heads)),
         "initial_state": randn(batch, heads, value_dim, key_dim) if with_initial_state else None,
     }
-    return {name: None if x is None else x.to(dtype).requires_grad_(requires_grad) for name, x in tensors.items()}
+    return {
+        name: None if x is None else x.to(device=device, dtype=dtype).requires_grad_(requires_grad)
+        for name, x in tensors.items()
+    }
 
 
 def run(fn, inputs, **kwargs):

@@ -890,6 +890,7 @@ def polar_backward(
     da_s, da_null = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(2))
     scale = 1.0 / math.sqrt(d)
     common = dict(GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype))
+    buckets = length_buckets(tq, tk)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     strides += (v.stride(0), v.stride(1), v.stride(2))
 
@@ -899,7 +900,7 @@ def polar_backward(
     # da_null is a separate output (not updated in place): autotuning reruns the kernel
     polar_bwd_dq_kernel[dq_grid](
         q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, dq, da_s, da_null,
-        *strides, tq, tk, h, window, scale, *length_buckets(tq, tk), **common,
+        *strides, tq, tk, h, window, scale, *buckets, **common,
     )  # fmt: skip
 
     def dkdv_grid(meta):
@@ -907,7 +908,7 @@ def polar_backward(
 
     polar_bwd_dkdv_kernel[dkdv_grid](
         q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dk, dv, *strides, tq, tk, h, window, scale,
-        *length_buckets(tq, tk), **common,
+        *buckets, **common,
     )  # fmt: skip
     head_grads = _head_gradients(params, da_s, da_null, dmag_row, dvnull_part, tq, tk, window)
     return (dq, dk, dv, *head_grads)
