@@ -19,7 +19,7 @@ pairs) so consecutive steps do not find their state in the 50 MB L2. --step-swee
 step kernel's rows per program x warps in the graph. --out takes a directory (gated_delta-<gpu>.json
 is written in it) or a file path.
 
-    python benchmarks/gated_delta.py --resources [--key-dim 128 --value-dim 128]
+    python benchmarks/gated_delta.py --resources [--key-dim 128 --value-dim 128] [--kernels prepare,grad]
 
 needs no GPU: it compiles every kernel for sm_90 (bf16) and prints registers and stack bytes per
 thread (stack > 0 means spills), for each autotune config, from triton's bundled cuobjdump.
@@ -209,8 +209,8 @@ def sweep_step(args) -> list[dict]:
 
 
 FP32_POINTERS = {
-    "g_ptr", "inverse_ptr", "log_gamma_ptr", "beta_ptr", "du_local_ptr", "du_ptr", "dfinal_ptr", "dinitial_ptr",
-    "initial_ptr", "final_ptr", "dlog_gamma_ptr", "dbeta_ptr", "pool_ptr",
+    "g_ptr", "log_gamma_ptr", "beta_ptr", "du_local_ptr", "du_ptr", "dfinal_ptr", "dinitial_ptr",
+    "dk_partial_ptr", "initial_ptr", "final_ptr", "dlog_gamma_ptr", "dbeta_ptr", "pool_ptr",
 }  # fmt: skip
 
 
@@ -231,7 +231,9 @@ def print_resources(args) -> None:
     common = {"H": args.heads, "DK": dk, "DV": dv, "BK": bk, "C": chunked.CHUNK, "NORMALIZE": True, "PREC": "tf32"}
     single = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
     kernels = [
-        ("prepare", chunked._prepare_kernel, {**common, "BVF": chunked._block(dv)}, single),
+        ("prepare", chunked._prepare_kernel,
+         {**common, "BVF": chunked._block(dv), "INV_PREC": chunked._inverse_precision("tf32"), "STORE_INVERSE": True},
+         single),
         ("state_fwd", chunked._state_fwd_kernel.fn, {**common, "HAS_INITIAL": True}, chunked.SEQUENTIAL_CONFIGS),
         ("output", chunked._output_kernel.fn, common, chunked.PARALLEL_CONFIGS),
         ("dv_local", chunked._dv_local_kernel.fn, common, chunked.PARALLEL_CONFIGS),
@@ -243,6 +245,8 @@ def print_resources(args) -> None:
     ]  # fmt: skip
     cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
     for name, fn, constants, configs in kernels:
+        if args.kernels and name not in args.kernels.split(","):
+            continue
         for config in configs:
             constexprs = {**{k: v for k, v in constants.items() if k in fn.arg_names}, **config.kwargs}
             signature = {
@@ -296,6 +300,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="a directory (gated_delta-<gpu>.json inside) or a file")
     parser.add_argument("--step-sweep", action="store_true", help="also time step rows-per-program x warps in a graph")
     parser.add_argument("--resources", action="store_true", help="registers / spills per kernel config (no GPU)")
+    parser.add_argument("--kernels", default="", help="with --resources: only these kernels (comma-separated names)")
     args = parser.parse_args()
     if args.resources:
         print_resources(args)

@@ -5,8 +5,9 @@ sequence is cut into chunks of C = 64 tokens; a tail chunk is padded with identi
 (q = k = v = 0, beta = 0, log_gamma = 0), which change neither the outputs nor the state.
 
 Forward, three kernels:
-  _prepare_kernel   chunk-parallel: g = cumsum(log_gamma), T = (I + A)^{-1} by forward
-                    substitution in fp32, W = T diag(beta G) K, U~ = T diag(beta) V
+  _prepare_kernel   chunk-parallel: g = cumsum(log_gamma), T = (I + A)^{-1} in fp32 (16 x 16 diagonal
+                    blocks by forward substitution, then two exact doublings with fp32-accurate
+                    products; T is stored only for the backward), W = T diag(beta G) K, U~ = T diag(beta) V
   _state_fwd_kernel sequential over chunks per (batch, head, Dv block): carries the fp32 state S,
                     stores each chunk's start state and U = U~ - W S^T, returns the final state
   _output_kernel    chunk-parallel: R = diag(G) Q S^T + (Q K^T * D) U
@@ -17,7 +18,8 @@ Backward (the forward's workspaces are recomputed, so only the inputs are kept f
                     dU = dU_local + Kd dS_end^T, and dS_start = G_C dS_end + dR^T G Q - dU^T W
   _grad_kernel      chunk-parallel: dq, dk, dv, dlog_gamma, dbeta, through the UT transform
                     (X = T B  =>  dB = T^T dX, dA = -dB X^T on the strict lower triangle),
-                    the decays (every use of g, then a reverse cumsum) and the L2 normalisation.
+                    the decays (every use of g, then a reverse cumsum) and the L2 normalisation;
+                    two passes over Dv (UT transform, then output / state) to bound the live tiles.
 
 Only the Triton launchers live here; torch.library registration is in ops.py. Importing this
 module imports triton: on CPU that only works with TRITON_INTERPRET=1 set beforehand.
@@ -87,6 +89,9 @@ def _configs(block_values: list[int], warps: list[int], stages: list[int]) -> li
 _BV = INTERPRETER_BLOCK_VALUES if INTERPRET else GPU_BLOCK_VALUES
 SEQUENTIAL_CONFIGS = _configs(_BV["sequential"], [4, 8], [2, 3])
 PARALLEL_CONFIGS = _configs(_BV["parallel"], [4, 8], [2, 3])
+# One warpgroup: the prepare kernel's (C, C) tiles come out of wgmma, which has 4 warps cover 64 rows;
+# 8 warps duplicate them, and in this kernel spill (benchmarks/gated_delta.py --resources).
+PREPARE_WARPS = 4
 GRAD_CONFIGS = _configs(_BV["grad"], [4, 8], [2] if INTERPRET else [1, 2])
 
 
@@ -138,17 +143,17 @@ def _gate_offsets(b, h, t, T, H: tl.constexpr):
 
 
 @triton.jit
-def _workspace_offsets(bh, t, cols, padded_len, D: tl.constexpr):
-    """Offsets into a head-major (B * H, padded_len, D) workspace."""
-    rows = (bh * padded_len + t).to(tl.int64) * D
-    return rows[:, None] + cols[None, :]
+def _workspace_ptrs(ptr, bh, t, cols, padded_len, D: tl.constexpr):
+    """Rows t of a head-major (B * H, padded_len, D) workspace at bh: a scalar 64-bit base and 32-bit
+    offsets within one (batch, head) (a tile of int64 offsets costs twice the registers)."""
+    return ptr + bh.to(tl.int64) * padded_len * D + (t[:, None] * D + cols[None, :])
 
 
 @triton.jit
-def _state_offsets(index, v_cols, k_cols, DV: tl.constexpr, DK: tl.constexpr):
-    """Offsets of a (DV, DK) matrix number `index` and its in-bounds mask."""
-    offsets = index.to(tl.int64) * DV * DK + v_cols[:, None] * DK + k_cols[None, :]
-    return offsets, (v_cols < DV)[:, None] & (k_cols < DK)[None, :]
+def _state_ptrs(ptr, index, v_cols, k_cols, DV: tl.constexpr, DK: tl.constexpr):
+    """The (DV, DK) matrix number `index` (scalar 64-bit base, 32-bit offsets) and its in-bounds mask."""
+    ptrs = ptr + index.to(tl.int64) * DV * DK + (v_cols[:, None] * DK + k_cols[None, :])
+    return ptrs, (v_cols < DV)[:, None] & (k_cols < DK)[None, :]
 
 
 @triton.jit
@@ -162,8 +167,8 @@ def _decay_matrix(g, rows, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(a, rows, C: tl.constexpr, PREC: tl.constexpr):
-    """(I + a)^{-1} for a strictly lower triangular a, in fp32, blocked.
+def _unit_lower_inverse(a_t, rows, C: tl.constexpr, PREC: tl.constexpr):
+    """(I + a)^{-1} for a strictly lower triangular a, given as a_t = a^T, in fp32, blocked.
 
     1. The B x B diagonal blocks, all C / B of them at once, by forward substitution (B - 1 steps
        instead of C - 1): step s finishes row s of every block, e_i - sum_{j<i} a_ij (row j), the
@@ -180,7 +185,6 @@ def _unit_lower_inverse(a, rows, C: tl.constexpr, PREC: tl.constexpr):
     block = rows // B
     same_block = block[:, None] == block[None, :]
     in_block = rows % B
-    a_t = tl.trans(a)  # a_t[j, i] = a[i, j]: the row gather below then reduces within a row of the tile
     inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     for s in range(1, B):
         # a[i, j] for i = row s of j's block (zero for j >= i: a is strictly lower), indexed by j
@@ -190,9 +194,9 @@ def _unit_lower_inverse(a, rows, C: tl.constexpr, PREC: tl.constexpr):
     for level in tl.static_range(INVERSE_LEVELS):
         size = B << level
         pair = rows // size
-        lower_left = (pair[:, None] == pair[None, :] + 1) & (pair[:, None] % 2 == 1)
-        e = tl.where(lower_left, a, 0.0)
-        x_e = tl.dot(inverse, e, input_precision=PREC)
+        upper_right = (pair[None, :] == pair[:, None] + 1) & (pair[None, :] % 2 == 1)
+        e_t = tl.where(upper_right, a_t, 0.0)  # E^T, so that only a_t stays live
+        x_e = tl.dot(inverse, tl.trans(e_t), input_precision=PREC)
         inverse = inverse - tl.dot(x_e, inverse, input_precision=PREC)
     return inverse
 
@@ -242,19 +246,20 @@ def _prepare_kernel(
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     k_dt = k.to(DT)
     key_overlap = tl.dot(k_dt, tl.trans(k_dt), input_precision=PREC)
-    a = beta[:, None] * key_overlap * _decay_matrix(g, rows, True)
-    inverse_dt = _unit_lower_inverse(a, rows, C, INV_PREC).to(DT)
+    # A^T, built directly (key_overlap is symmetric): A[i, j] = beta_i k_i.k_j exp(g_i - g_j) for j < i
+    decay_t = tl.exp(tl.where(rows[:, None] < rows[None, :], g[None, :] - g[:, None], float("-inf")))
+    inverse_dt = _unit_lower_inverse(key_overlap * beta[None, :] * decay_t, rows, C, INV_PREC).to(DT)
     if STORE_INVERSE:  # only the backward reads it (in the dtype of the products it feeds)
         square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
         tl.store(inverse_ptr + square, inverse_dt)
 
+    # k again (an L2 hit) rather than holding it in registers across the inverse
+    k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     w = tl.dot(inverse_dt, (k * (beta * tl.exp(g))[:, None]).to(DT), input_precision=PREC)
-    tl.store(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), w.to(DT), mask=(k_cols < DK)[None, :])
+    tl.store(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), w.to(DT), mask=(k_cols < DK)[None, :])
     v = _load_tokens(v_ptr, b, h, t, t_mask, v_cols, T, H, DV)
     u_tilde = tl.dot(inverse_dt, (v * beta[:, None]).to(DT), input_precision=PREC)
-    tl.store(
-        u_tilde_ptr + _workspace_offsets(bh, t, v_cols, padded_len, DV), u_tilde.to(DT), mask=(v_cols < DV)[None, :]
-    )
+    tl.store(_workspace_ptrs(u_tilde_ptr, bh, t, v_cols, padded_len, DV), u_tilde.to(DT), mask=(v_cols < DV)[None, :])
 
 
 @_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
@@ -288,29 +293,29 @@ def _state_fwd_kernel(
     v_in = (v_cols < DV)[None, :]
     DT = w_ptr.dtype.element_ty
 
-    here, state_mask = _state_offsets(bh, v_cols, k_cols, DV, DK)
+    initial, state_mask = _state_ptrs(initial_ptr, bh, v_cols, k_cols, DV, DK)
     if HAS_INITIAL:
-        state = tl.load(initial_ptr + here, mask=state_mask, other=0.0).to(tl.float32)
+        state = tl.load(initial, mask=state_mask, other=0.0).to(tl.float32)
     else:
         state = tl.zeros([BV, BK], dtype=tl.float32)
 
     for n in range(n_chunks):
-        chunk_state, _ = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
-        tl.store(states_ptr + chunk_state, state.to(DT), mask=state_mask)
+        chunk_state, _ = _state_ptrs(states_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
+        tl.store(chunk_state, state.to(DT), mask=state_mask)
         t = n * C + rows
         k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t < T, k_cols, T, H, DK), NORMALIZE)
         g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
         g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
-        w = tl.load(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
-        value_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
-        u_tilde = tl.load(u_tilde_ptr + value_offsets, mask=v_in, other=0.0).to(tl.float32)
+        w = tl.load(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
+        u_tilde = tl.load(_workspace_ptrs(u_tilde_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0)
+        u_tilde = u_tilde.to(tl.float32)
 
         u = (u_tilde - tl.dot(w, tl.trans(state.to(DT)), input_precision=PREC)).to(DT)  # the deltas, (C, BV)
-        tl.store(u_ptr + value_offsets, u, mask=v_in)
+        tl.store(_workspace_ptrs(u_ptr, bh, t, v_cols, padded_len, DV), u, mask=v_in)
         k_to_end = (k * tl.exp(g_end - g)[:, None]).to(DT)
         state = state * tl.exp(g_end) + tl.dot(tl.trans(u), k_to_end, input_precision=PREC)
 
-    tl.store(final_ptr + here, state, mask=state_mask)
+    tl.store(_state_ptrs(final_ptr, bh, v_cols, k_cols, DV, DK)[0], state, mask=state_mask)
 
 
 @_tune(PARALLEL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
@@ -346,10 +351,9 @@ def _output_kernel(
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     q, k = q.to(DT), k.to(DT)
     g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
-    chunk_state, state_mask = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
-    state = tl.load(states_ptr + chunk_state, mask=state_mask, other=0.0)
-    u_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
-    u = tl.load(u_ptr + u_offsets, mask=(v_cols < DV)[None, :], other=0.0)
+    chunk_state, state_mask = _state_ptrs(states_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
+    state = tl.load(chunk_state, mask=state_mask, other=0.0)
+    u = tl.load(_workspace_ptrs(u_ptr, bh, t, v_cols, padded_len, DV), mask=(v_cols < DV)[None, :], other=0.0)
 
     scores = tl.dot(q, tl.trans(k), input_precision=PREC) * _decay_matrix(g, rows, False)
     from_state = tl.dot(q, tl.trans(state), input_precision=PREC)
@@ -395,7 +399,7 @@ def _dv_local_kernel(
     scores = tl.dot(q.to(DT), tl.trans(k.to(DT)), input_precision=PREC) * _decay_matrix(g, rows, False)
     dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
     du_local = tl.dot(tl.trans(scores.to(DT)), dr, input_precision=PREC)
-    tl.store(du_local_ptr + _workspace_offsets(bh, t, v_cols, padded_len, DV), du_local, mask=(v_cols < DV)[None, :])
+    tl.store(_workspace_ptrs(du_local_ptr, bh, t, v_cols, padded_len, DV), du_local, mask=(v_cols < DV)[None, :])
 
 
 @_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
@@ -430,27 +434,26 @@ def _state_bwd_kernel(
     v_in = (v_cols < DV)[None, :]
     DT = w_ptr.dtype.element_ty
 
-    here, state_mask = _state_offsets(bh, v_cols, k_cols, DV, DK)
-    dstate = tl.load(dfinal_ptr + here, mask=state_mask, other=0.0).to(tl.float32)  # d(end state of chunk n)
+    dfinal, state_mask = _state_ptrs(dfinal_ptr, bh, v_cols, k_cols, DV, DK)
+    dstate = tl.load(dfinal, mask=state_mask, other=0.0).to(tl.float32)  # d(end state of chunk n)
 
     for i in range(n_chunks):
         n = n_chunks - 1 - i
-        chunk_state, _ = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
-        tl.store(dstates_ptr + chunk_state, dstate.to(DT), mask=state_mask)
+        chunk_state, _ = _state_ptrs(dstates_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
+        tl.store(chunk_state, dstate.to(DT), mask=state_mask)
         t = n * C + rows
         t_mask = t < T
         q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
         k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
         g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
         g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
-        w = tl.load(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
+        w = tl.load(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
         dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
-        value_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
-        du_local = tl.load(du_local_ptr + value_offsets, mask=v_in, other=0.0)
+        du_local = tl.load(_workspace_ptrs(du_local_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0)
 
         k_to_end = (k * tl.exp(g_end - g)[:, None]).to(DT)
         du = du_local + tl.dot(k_to_end, tl.trans(dstate.to(DT)), input_precision=PREC)  # (C, BV)
-        tl.store(du_ptr + value_offsets, du, mask=v_in)
+        tl.store(_workspace_ptrs(du_ptr, bh, t, v_cols, padded_len, DV), du, mask=v_in)
         q_from_start = (q * tl.exp(g)[:, None]).to(DT)
         dstate = (
             dstate * tl.exp(g_end)
@@ -458,7 +461,7 @@ def _state_bwd_kernel(
             - tl.dot(tl.trans(du.to(DT)), w, input_precision=PREC)
         )
 
-    tl.store(dinitial_ptr + here, dstate, mask=state_mask)
+    tl.store(_state_ptrs(dinitial_ptr, bh, v_cols, k_cols, DV, DK)[0], dstate, mask=state_mask)
 
 
 @_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE"])
@@ -477,6 +480,7 @@ def _grad_kernel(
     states_ptr,
     dstates_ptr,
     dr_ptr,
+    dk_partial_ptr,
     dq_ptr,
     dk_ptr,
     dv_ptr,
@@ -492,6 +496,11 @@ def _grad_kernel(
     PREC: tl.constexpr,
     BV: tl.constexpr,
 ):
+    """Two passes over the Dv blocks, so that only one group of accumulators is live at a time:
+    first the UT transform (through W and U~: dv, dbeta, and the parts of dk and dg through W and A),
+    then the output and the state recurrence (through R and S: dq, the rest of dk and dg). The first
+    pass's part of dk waits in dk_partial (fp32, (B * H, padded_len, Dk), read back by this program
+    from L2) rather than in registers, where it spilled."""
     n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     n_chunks = tl.cdiv(T, C)
@@ -506,94 +515,104 @@ def _grad_kernel(
     beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
     g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
+    decay = tl.exp(g)
     square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
-    inverse_t = tl.trans(tl.load(inverse_ptr + square)).to(DT)  # T^T
+    inverse = tl.load(inverse_ptr + square).to(DT)  # T
 
-    # Everything that sums over the value dimension, one Dv block at a time.
+    # Pass 1, UT transform: U~ = T diag(beta) V and W = T diag(beta G) K, so dB = T^T dX for X = U~, W,
+    # and dA = -(dB_V U~^T + dB_K W^T) = -T^T (dU~ U~^T + dW W^T) on the strict lower triangle.
+    # U = U~ - W S^T gives dU~ = dU and dW = -dU S.
+    dw = tl.zeros([C, BK], dtype=tl.float32)
+    d_outer = tl.zeros([C, C], dtype=tl.float32)  # dU~ U~^T, then + dW W^T
+    dbeta = tl.zeros([C], dtype=tl.float32)
+    for v0 in range(0, DV, BV):
+        v_cols = v0 + tl.arange(0, BV)
+        v_in = (v_cols < DV)[None, :]
+        chunk_state, state_mask = _state_ptrs(states_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
+        state = tl.load(chunk_state, mask=state_mask, other=0.0)
+        du = tl.load(_workspace_ptrs(du_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0).to(DT)
+        u_tilde = tl.load(_workspace_ptrs(u_tilde_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0)
+        v = _load_tokens(v_ptr, b, h, t, t_mask, v_cols, T, H, DV)
+
+        dw -= tl.dot(du, state, input_precision=PREC)
+        d_rhs_values = tl.dot(tl.trans(inverse), du, input_precision=PREC)  # dB_V
+        d_outer += tl.dot(du, tl.trans(u_tilde), input_precision=PREC)
+        dbeta += tl.sum(v * d_rhs_values, axis=1)
+        _store_tokens(dv_ptr, beta[:, None] * d_rhs_values, b, h, t, t_mask, v_cols, T, H, DV)
+
+    k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+    k_dt = k.to(DT)
+    w = tl.load(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
+    strict = _decay_matrix(g, rows, True)
+    dw = dw.to(DT)
+    d_outer += tl.dot(dw, tl.trans(w), input_precision=PREC)
+    minus_da = tl.dot(tl.trans(inverse), d_outer.to(DT), input_precision=PREC)
+    da = tl.where(rows[:, None] > rows[None, :], -minus_da, 0.0)
+    d_rhs_keys = tl.dot(tl.trans(inverse), dw, input_precision=PREC)  # dB_K
+    key_overlap = tl.dot(k_dt, tl.trans(k_dt), input_precision=PREC) * strict  # k_t.k_s exp(g_t - g_s), s < t
+    d_overlap = (da * beta[:, None] * strict).to(DT)  # gradient of k_t.k_s through A
+    dk = (
+        (beta * decay)[:, None] * d_rhs_keys
+        + tl.dot(d_overlap, k_dt, input_precision=PREC)
+        + tl.dot(tl.trans(d_overlap), k_dt, input_precision=PREC)
+    )
+    tl.store(_workspace_ptrs(dk_partial_ptr, bh, t, k_cols, padded_len, DK), dk, mask=(k_cols < DK)[None, :])
+    keys_dot_d_rhs = tl.sum(k * d_rhs_keys, axis=1)
+    dbeta += decay * keys_dot_d_rhs + tl.sum(da * key_overlap, axis=1)
+    tl.store(dbeta_ptr + gates, dbeta.to(dbeta_ptr.dtype.element_ty), mask=t_mask)
+    # every place g appears (summed over t, then g_t = cumsum(log_gamma) turns into a reverse cumsum)
+    through_a = da * beta[:, None] * key_overlap
+    dg = tl.sum(through_a, axis=1) - tl.sum(through_a, axis=0) + beta * decay * keys_dot_d_rhs
+
+    # Pass 2, output and state recurrence: R = diag(G) Q S^T + (Q K^T * D) U and S_end = G_C S + U^T Kd.
+    # program_id(2) is an opaque zero (the grid has two axes): the masks and pointer tiles of this pass are
+    # computed afresh rather than reused from the first, which would keep them in registers across the loop.
+    t = t + tl.program_id(2)
+    t_mask = t < T
+    rows = t - n * C
+    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+    decay = tl.exp(g)
     d_qs = tl.zeros([C, BK], dtype=tl.float32)  # dR S: gradient of Q S^T's Q
-    dw = tl.zeros([C, BK], dtype=tl.float32)  # -dU S
     d_k_to_end = tl.zeros([C, BK], dtype=tl.float32)  # U dS_end
     d_scores = tl.zeros([C, C], dtype=tl.float32)  # dR U^T
-    minus_da_values = tl.zeros([C, C], dtype=tl.float32)  # dB_V U~^T
-    dbeta = tl.zeros([C], dtype=tl.float32)
     state_dot_dstate = tl.zeros([BK], dtype=tl.float32)  # sum(S * dS_end) over Dv, for d g_end through G_C S
     for v0 in range(0, DV, BV):
         v_cols = v0 + tl.arange(0, BV)
         v_in = (v_cols < DV)[None, :]
-        chunk_state, state_mask = _state_offsets(bh * n_chunks + n, v_cols, k_cols, DV, DK)
-        state = tl.load(states_ptr + chunk_state, mask=state_mask, other=0.0)
-        dstate = tl.load(dstates_ptr + chunk_state, mask=state_mask, other=0.0)
-        value_offsets = _workspace_offsets(bh, t, v_cols, padded_len, DV)
-        u = tl.load(u_ptr + value_offsets, mask=v_in, other=0.0)
-        u_tilde = tl.load(u_tilde_ptr + value_offsets, mask=v_in, other=0.0)
-        du = tl.load(du_ptr + value_offsets, mask=v_in, other=0.0).to(DT)
+        chunk_state, state_mask = _state_ptrs(states_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
+        state = tl.load(chunk_state, mask=state_mask, other=0.0)
+        chunk_dstate = _state_ptrs(dstates_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)[0]
+        dstate = tl.load(chunk_dstate, mask=state_mask, other=0.0)
+        u = tl.load(_workspace_ptrs(u_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0)
         dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
 
         d_qs += tl.dot(dr, state, input_precision=PREC)
-        dw -= tl.dot(du, state, input_precision=PREC)
         d_k_to_end += tl.dot(u, dstate, input_precision=PREC)
         d_scores += tl.dot(dr, tl.trans(u), input_precision=PREC)
         state_dot_dstate += tl.sum(state.to(tl.float32) * dstate.to(tl.float32), axis=0)
-        d_rhs_values = tl.dot(inverse_t, du, input_precision=PREC)  # dB_V = T^T dU~, and dU~ = dU
-        minus_da_values += tl.dot(d_rhs_values.to(DT), tl.trans(u_tilde), input_precision=PREC)
-        v = _load_tokens(v_ptr, b, h, t, t_mask, v_cols, T, H, DV)
-        dbeta += tl.sum(v * d_rhs_values, axis=1)
-        _store_tokens(dv_ptr, beta[:, None] * d_rhs_values, b, h, t, t_mask, v_cols, T, H, DV)
 
-    q_raw = _load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK)
-    k_raw = _load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK)
-    q, q_norm, q_denom = _normalize_rows(q_raw, NORMALIZE)
-    k, k_norm, k_denom = _normalize_rows(k_raw, NORMALIZE)
+    q, q_norm, q_denom = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+    k, k_norm, k_denom = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     q_dt, k_dt = q.to(DT), k.to(DT)
-    w = tl.load(w_ptr + _workspace_offsets(bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
-    decay = tl.exp(g)
     to_end = tl.exp(g_end - g)
     causal = _decay_matrix(g, rows, False)
-    strict = _decay_matrix(g, rows, True)
-
-    # UT transform: W = T diag(beta G) K, so dB_K = T^T dW; dA = -(dB X^T) on the strict lower triangle.
-    d_rhs_keys = tl.dot(inverse_t, dw.to(DT), input_precision=PREC)
-    key_overlap = tl.dot(k_dt, tl.trans(k_dt), input_precision=PREC) * strict  # k_t.k_s exp(g_t - g_s), s < t
-    da = -(minus_da_values + tl.dot(d_rhs_keys.to(DT), tl.trans(w), input_precision=PREC))
-    da = tl.where(rows[:, None] > rows[None, :], da, 0.0)
-    d_overlap = da * beta[:, None] * strict  # gradient of k_t.k_s through A
-
-    # Output: R = diag(G) Q S^T + (Q K^T * D) U.
     scores = tl.dot(q_dt, tl.trans(k_dt), input_precision=PREC) * causal
     d_scores_decayed = (d_scores * causal).to(DT)
     dq = decay[:, None] * d_qs + tl.dot(d_scores_decayed, k_dt, input_precision=PREC)
-    dk = (
-        tl.dot(tl.trans(d_scores_decayed), q_dt, input_precision=PREC)
-        + to_end[:, None] * d_k_to_end
-        + (beta * decay)[:, None] * d_rhs_keys
-        + tl.dot(d_overlap.to(DT), k_dt, input_precision=PREC)
-        + tl.dot(tl.trans(d_overlap.to(DT)), k_dt, input_precision=PREC)
-    )
-    keys_dot_d_rhs = tl.sum(k * d_rhs_keys, axis=1)
-    dbeta += decay * keys_dot_d_rhs + tl.sum(da * key_overlap, axis=1)
+    dg += decay * tl.sum(q * d_qs, axis=1)
+    dq = _normalize_rows_backward(q, q_norm, q_denom, dq, NORMALIZE)
+    _store_tokens(dq_ptr, dq, b, h, t, t_mask, k_cols, T, H, DK)
 
-    # Every place g appears, then g_t = cumsum(log_gamma) turns into a reverse cumsum.
+    dk = tl.load(_workspace_ptrs(dk_partial_ptr, bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
+    dk += tl.dot(tl.trans(d_scores_decayed), q_dt, input_precision=PREC) + to_end[:, None] * d_k_to_end
     through_scores = d_scores * scores
-    through_a = da * beta[:, None] * key_overlap
     through_to_end = to_end * tl.sum(k * d_k_to_end, axis=1)
-    dg = (
-        decay * tl.sum(q * d_qs, axis=1)
-        + tl.sum(through_scores, axis=1)
-        - tl.sum(through_scores, axis=0)
-        + tl.sum(through_a, axis=1)
-        - tl.sum(through_a, axis=0)
-        - through_to_end
-        + beta * decay * keys_dot_d_rhs
-    )
+    dg += tl.sum(through_scores, axis=1) - tl.sum(through_scores, axis=0) - through_to_end
     dg_end = tl.exp(g_end) * tl.sum(state_dot_dstate, axis=0) + tl.sum(through_to_end, axis=0)
     dg += tl.where(rows == C - 1, dg_end, 0.0)
     dlog_gamma = tl.sum(dg, axis=0) - tl.cumsum(dg, axis=0) + dg
-
     tl.store(dlog_gamma_ptr + gates, dlog_gamma.to(dlog_gamma_ptr.dtype.element_ty), mask=t_mask)
-    tl.store(dbeta_ptr + gates, dbeta.to(dbeta_ptr.dtype.element_ty), mask=t_mask)
-    dq = _normalize_rows_backward(q, q_norm, q_denom, dq, NORMALIZE)
     dk = _normalize_rows_backward(k, k_norm, k_denom, dk, NORMALIZE)
-    _store_tokens(dq_ptr, dq, b, h, t, t_mask, k_cols, T, H, DK)
     _store_tokens(dk_ptr, dk, b, h, t, t_mask, k_cols, T, H, DK)
 
 
@@ -651,7 +670,7 @@ def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: b
     _prepare_kernel[(n_chunks, bh)](
         k, v, log_gamma, beta, ws["g"], ws["inverse"] if keep_inverse else ws["w"], ws["w"], ws["u_tilde"],
         d["seq_len"], BVF=d["bv_full"], NORMALIZE=normalize_qk, PREC=prec, INV_PREC=_inverse_precision(prec),
-        STORE_INVERSE=keep_inverse, num_warps=8, **common,
+        STORE_INVERSE=keep_inverse, num_warps=PREPARE_WARPS, **common,
     )  # fmt: skip
     _state_fwd_kernel[lambda meta: (triton.cdiv(d["value_dim"], meta["BV"]), bh)](
         k, ws["g"], ws["w"], ws["u_tilde"], ws["u"], ws["states"],
@@ -707,9 +726,10 @@ def chunk_backward(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normaliz
         q, k, ws["g"], ws["w"], dr, du_local, du, dstates, dfinal, dinitial, seq_len,
         NORMALIZE=normalize_qk, PREC=prec, **common,
     )  # fmt: skip
+    dk_partial = torch.empty(ws["w"].shape, device=q.device, dtype=torch.float32)
     _grad_kernel[(n_chunks, bh)](
         q, k, v, beta, ws["g"], ws["inverse"], ws["w"], ws["u_tilde"], ws["u"], du, ws["states"], dstates, dr,
-        dq, dk, dv, dlog_gamma, dbeta, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common,
+        dk_partial, dq, dk, dv, dlog_gamma, dbeta, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common,
     )  # fmt: skip
     return dq, dk, dv, dlog_gamma, dbeta, dinitial
 
