@@ -211,6 +211,14 @@ class Eval:
 
 
 @dataclass
+class Profiling:
+    enable: bool = opt(False, "Record a torch.profiler trace (CPU + CUDA) of a few steps on every rank.")
+    start_step: int = opt(6, "First recorded step (leave the compilation and autotuning steps out).")
+    steps: int = opt(2, "Number of recorded steps.")
+    folder: str = opt("profile", "Trace folder, relative to job.dump_folder: Chrome traces and a top-kernels table.")
+
+
+@dataclass
 class Debug:
     nan_at_step: int = opt(0, "Fault injection: make the loss NaN at this step (0 = never).")
     signal_at_step: int = opt(0, "Fault injection: send SIGTERM to one rank during this step (0 = never).")
@@ -230,6 +238,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
     eval: Eval = field(default_factory=Eval)
+    profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
@@ -468,6 +477,8 @@ def validate(cfg: JobConfig) -> None:
         cfg.eval.needle_gaps,
         "a list of positive integers",
     )
+    need(cfg.profiling.start_step >= 1, "profiling.start_step", cfg.profiling.start_step, "an integer >= 1")
+    need(cfg.profiling.steps >= 1, "profiling.steps", cfg.profiling.steps, "an integer >= 1")
     need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
     # Model flavor and overrides are checked where the model args are resolved (models/flavors.py),

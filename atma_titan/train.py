@@ -35,6 +35,7 @@ from atma_titan.models.atma import non_embedding_params
 from atma_titan.optim import LRSchedules, build_optimizers
 from atma_titan.parallel import ParallelDims, all_reduce_sum, destroy_distributed, init_distributed, parallelize
 from atma_titan.preemption import StopRequest
+from atma_titan.profiling import StepProfiler
 from atma_titan.validation import Validator
 
 DONE_MARKER = "DONE"
@@ -311,11 +312,12 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
         validator = Validator(cfg, args.vocab_size, dims)
 
     stop = StopRequest().install()
+    profiler = StepProfiler(cfg.profiling, dump, dims.rank, train_state.step + 1, device, say)
     last: dict = {}
     saved_step = train_state.step
     model.train()
     try:
-        with logger:
+        with logger, profiler:
             while train_state.step < cfg.training.steps:
                 step = train_state.step + 1
                 loss_sum = torch.zeros((), device=device)
@@ -364,6 +366,7 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
                 train_state.tokens_seen += tokens_per_step
                 train_state.windows_consumed += global_batch
                 throughput.update(tokens_per_step // dims.dp_degree)
+                profiler.step()
 
                 evaluated = {}
                 if validator and (step % cfg.eval.interval == 0 or step == cfg.training.steps):

@@ -62,14 +62,20 @@ def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
         *variant_args(name),
         *extra,
     ]
+    # The run's output goes to a log beside the results, so a failed or timed-out variant can be read
+    log_path = Path(args.out) / f"train_speed-{args.tag}-{name.replace('+', '_')}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"variant": name, "error": f"timed out after {args.timeout} s", "wall_s": time.time() - start}
+    with log_path.open("w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc = None
     wall = time.time() - start
-    if proc.returncode != 0:
-        return {"variant": name, "error": proc.stderr[-2000:], "wall_s": wall}
+    if proc is None or proc.returncode != 0:
+        why = f"timed out after {args.timeout} s" if proc is None else f"exit code {proc.returncode}"
+        tail = log_path.read_text()[-2000:]
+        return {"variant": name, "error": f"{why}; log {log_path}:\n{tail}", "wall_s": wall}
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r["step"] > args.warmup]
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
@@ -109,7 +115,8 @@ def main() -> None:
     print(f"\n{'variant':<20} {'tokens/s':>12} {'vs ' + results[0]['variant']:>14} {'MFU':>7} {'peak GiB':>9}")
     for r in results:
         if "error" in r:
-            print(f"{r['variant']:<20} failed: {r['error'].strip().splitlines()[-1] if r['error'].strip() else '?'}")
+            lines = r["error"].strip().splitlines()
+            print(f"{r['variant']:<20} failed: {lines[0]} ... {lines[-1]}")
             continue
         ratio = r["tokens_per_second"] / base if base else float("nan")
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch import nn
 
 from atma_titan.config import JobConfig, LRScheduler
 from atma_titan.optim import build_optimizers, lr_factor, split_parameters
@@ -59,3 +60,73 @@ def test_muon_equals_torch_muon_on_plain_tensors():
         opt_ref.step()
     for p, q in zip(ours, ref):
         assert torch.equal(p, q)
+
+
+def test_muon_batches_matrices_of_one_shape_and_matches_torch_muon(monkeypatch):
+    from atma_titan import optim
+
+    calls = []
+    real = optim.orthogonalize
+    monkeypatch.setattr(optim, "orthogonalize", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    torch.manual_seed(0)
+    weights = [torch.randn(24, 16) for _ in range(5)] + [torch.randn(16, 24) for _ in range(2)] + [torch.randn(8, 3)]
+    ours = [w.clone().requires_grad_() for w in weights]
+    ref = [w.clone().requires_grad_() for w in weights]
+    opt_ours = optim.Muon(ours, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
+    opt_ref = torch.optim.Muon(ref, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        opt_ours.step()
+        opt_ref.step()
+    assert calls[:3] == [(5, 24, 16), (2, 16, 24), (8, 3)]  # one Newton-Schulz per shape
+    for p, q in zip(ours, ref):  # bf16 Newton-Schulz: batched and one-by-one products round alike but not bit-equal
+        torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
+
+
+def test_orthogonalize_all_caps_the_stacked_memory(monkeypatch):
+    from atma_titan import optim
+
+    torch.manual_seed(0)
+    updates = [torch.randn(12, 20) for _ in range(7)]
+    whole = optim.orthogonalize_all(updates, 5, 1e-7)
+    monkeypatch.setattr(optim, "MAX_BATCH_ELEMENTS", 3 * 12 * 20)  # batches of 3, 3 and 1
+    capped = optim.orthogonalize_all(updates, 5, 1e-7)
+    for u, w, c in zip(updates, whole, capped):
+        torch.testing.assert_close(c.float(), w.float(), atol=1e-2, rtol=0)
+        torch.testing.assert_close(c.float(), optim.orthogonalize(u, 5).float(), atol=1e-2, rtol=0)
+
+
+def test_muon_uses_only_in_place_foreach_ops_on_dtensors(tmp_path):
+    """DTensor (torch 2.11) has sharding rules for in-place foreach lerp only: an out-of-place
+    torch._foreach_lerp on FSDP2's sharded gradients failed at the first step on the H200."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from atma_titan.optim import Muon
+
+    class RecordDTensorOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        params = [nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)])) for _ in range(3)]
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(8, 6), mesh, [Shard(0)])
+        opt = Muon(params, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
+        with RecordDTensorOps() as record:
+            opt.step()
+    finally:
+        dist.destroy_process_group()
+    foreach = {op for op in record.ops if op.startswith("_foreach")}
+    assert foreach and all(op.endswith("_") for op in foreach), foreach
