@@ -1,12 +1,17 @@
 """torch.library registration of the fused Polar attention kernel.
 
 Two custom ops, so `torch.compile(fullgraph=True)` sees one opaque node each way (on CUDA, and on
-CPU under TRITON_INTERPRET=1):
+CPU under TRITON_INTERPRET=1); the model uses these:
 
 - `atma::polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)`
   -> (c, mag, lse, n_eff, s_norm): outputs in q's dtype plus fp32 (B, H, Tq) statistics.
 - `atma::polar_attention_bwd(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null,
   c, lse, n_eff, s_norm, window)` -> the eight input gradients.
+
+The same pair is also registered as `triton_op`s (`atma::polar_attention_fwd_inlined` / `_bwd_inlined`,
+`polar_attention_triton(..., registration="triton_op")`): Inductor then sees the Triton launches and
+calls them from its own generated code. That works on CUDA only (on CPU Inductor tries to build the
+kernel), so the model keeps the custom ops; `benchmarks/polar_attention.py` times both compiled.
 
 Triton is imported on the first call only, so importing this module works on machines without it.
 """
@@ -18,9 +23,12 @@ import os
 import torch
 from torch import Tensor
 
+from atma_titan.kernels.backends import triton_installed
 from atma_titan.kernels.polar.reference import _check_inputs
 
-__all__ = ["polar_attention_triton", "supports_head_dim"]
+__all__ = ["polar_attention_triton", "supports_head_dim", "REGISTRATIONS"]
+
+REGISTRATIONS = ("custom_op", "triton_op")
 
 
 def supports_head_dim(d: int) -> bool:
@@ -71,6 +79,18 @@ def _(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window):
     return (q.new_empty(q.shape), q.new_empty(b, tq, h), *stats)
 
 
+def _backward_gradients(
+    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window, **launch
+):
+    """The backward kernels; the per-head parameter gradients cast back to the parameters' dtypes."""
+    grads = _kernels(q.device).polar_backward(
+        g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm,
+        window, **launch,
+    )  # fmt: skip
+    params = (len_gain, null_base, null_slope, mag_beta, v_null)
+    return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
+
+
 @torch.library.custom_op("atma::polar_attention_bwd", mutates_args=())
 def polar_attention_bwd(
     g_c: Tensor,
@@ -89,13 +109,9 @@ def polar_attention_bwd(
     s_norm: Tensor,
     window: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    kernels = _kernels(q.device)
-    grads = kernels.polar_backward(
-        g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm,
-        window,
-    )  # fmt: skip
-    params = (len_gain, null_base, null_slope, mag_beta, v_null)
-    return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
+    return _backward_gradients(
+        g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window
+    )
 
 
 @polar_attention_bwd.register_fake
@@ -111,26 +127,91 @@ def _setup_context(ctx, inputs, output):
     ctx.window = window
 
 
-def _backward(ctx, g_c, g_mag, *_stat_grads):
-    saved = ctx.saved_tensors
-    c = saved[8]
-    g_c = torch.zeros_like(c) if g_c is None else g_c
-    g_mag = c.new_zeros(c.shape[:3]) if g_mag is None else g_mag
-    grads = torch.ops.atma.polar_attention_bwd(g_c, g_mag, *saved, ctx.window)
-    return (*grads, None)
+def _register_autograd(forward_op, backward_op) -> None:
+    def backward(ctx, g_c, g_mag, *_stat_grads):
+        saved = ctx.saved_tensors
+        c = saved[8]
+        g_c = torch.zeros_like(c) if g_c is None else g_c
+        g_mag = c.new_zeros(c.shape[:3]) if g_mag is None else g_mag
+        return (*backward_op(g_c, g_mag, *saved, ctx.window), None)
+
+    forward_op.register_autograd(backward, setup_context=_setup_context)
 
 
-polar_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd(polar_attention_fwd, torch.ops.atma.polar_attention_bwd)
 
 
-def polar_attention_triton(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0):
+def _register_triton_ops() -> None:
+    """The same kernels as triton_ops: each launch goes through wrap_triton, so Inductor sees the kernels.
+    Registered at import where triton is installed (torch.library.triton_op warns without it)."""
+
+    @torch.library.triton_op("atma::polar_attention_fwd_inlined", mutates_args=())
+    def forward(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        len_gain: Tensor,
+        null_base: Tensor,
+        null_slope: Tensor,
+        mag_beta: Tensor,
+        v_null: Tensor,
+        window: int,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _kernels(q.device).polar_forward(
+            q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, launch=torch.library.wrap_triton
+        )
+
+    @torch.library.triton_op("atma::polar_attention_bwd_inlined", mutates_args=())
+    def backward(
+        g_c: Tensor,
+        g_mag: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        len_gain: Tensor,
+        null_base: Tensor,
+        null_slope: Tensor,
+        mag_beta: Tensor,
+        v_null: Tensor,
+        c: Tensor,
+        lse: Tensor,
+        n_eff: Tensor,
+        s_norm: Tensor,
+        window: int,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _backward_gradients(
+            g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window,
+            launch=torch.library.wrap_triton,
+        )  # fmt: skip
+
+    _register_autograd(forward, torch.ops.atma.polar_attention_bwd_inlined)
+
+
+if triton_installed():
+    _register_triton_ops()
+
+
+def _forward_op(registration: str):
+    if registration not in REGISTRATIONS:
+        raise ValueError(f"registration = {registration!r}; allowed: {', '.join(REGISTRATIONS)}")
+    if registration == "triton_op" and not triton_installed():
+        raise RuntimeError("registration = 'triton_op' needs triton installed")
+    if registration == "custom_op":
+        return torch.ops.atma.polar_attention_fwd
+    return torch.ops.atma.polar_attention_fwd_inlined
+
+
+def polar_attention_triton(
+    q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, registration="custom_op"
+):
     """Fused Polar attention (same contract as `polar_attention`): returns c (B, Tq, H, D), mag (B, Tq, H).
 
     q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk (queries are the last Tq positions);
     len_gain, null_base, null_slope, mag_beta (H,); v_null (H, D). head_dim must be a power of two
-    in [16, 256]. CUDA, or CPU under TRITON_INTERPRET=1.
+    in [16, 256]. CUDA, or CPU under TRITON_INTERPRET=1 (where torch.compile takes only custom_op).
     """
+    forward = _forward_op(registration)
     _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     _check_head_dim(q.shape[-1])
-    c, mag, *_ = torch.ops.atma.polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    c, mag, *_ = forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     return c, mag

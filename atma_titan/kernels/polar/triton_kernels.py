@@ -795,8 +795,14 @@ class HeadParams:
         self.v_null = v_null.float().contiguous()
 
 
-def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window: int):
-    """Returns c (B, Tq, H, D), mag (B, Tq, H) in q's dtype and fp32 (B, H, Tq) lse, n_eff, ||s_vec||."""
+def _direct(kernel):
+    return kernel
+
+
+def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window: int, launch=_direct):
+    """Returns c (B, Tq, H, D), mag (B, Tq, H) in q's dtype and fp32 (B, H, Tq) lse, n_eff, ||s_vec||.
+
+    launch(kernel)[grid](...) starts each kernel: torch.library.wrap_triton inside a triton_op (ops.py)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -808,7 +814,7 @@ def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
     def grid(meta):
         return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
 
-    polar_fwd_kernel[grid](
+    launch(polar_fwd_kernel)[grid](
         q, k, v, c, mag, lse, n_eff, s_norm,
         params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
         q.stride(0), q.stride(1), q.stride(2),
@@ -828,7 +834,7 @@ def length_buckets(tq: int, tk: int) -> tuple[int, int]:
     return triton.next_power_of_2(tq), triton.next_power_of_2(tk)
 
 
-def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int):
+def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int, launch):
     """Launch the per-query backward preamble; returns its per-query outputs."""
     b, tq, h, d = q.shape
     g_acc = torch.empty_like(q)
@@ -836,7 +842,7 @@ def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int,
     lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row = stats
     n_tiles = triton.cdiv(tq, PREAMBLE_BLOCK_M)
     dvnull_part = q.new_empty(b, h, n_tiles, d, dtype=torch.float32)
-    polar_bwd_preamble_kernel[(n_tiles, b * h)](
+    launch(polar_bwd_preamble_kernel)[(n_tiles, b * h)](
         c, g_c, g_mag, lse, n_eff, s_norm,
         params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
         g_acc, lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part,
@@ -874,15 +880,16 @@ def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq
 
 
 def polar_backward(
-    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int
-):
+    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int,
+    launch=_direct,
+):  # fmt: skip
     """All eight input gradients (fp32 for the per-head parameters, input dtype for q, k, v)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     params = HeadParams(len_gain, null_base, null_slope, mag_beta, v_null)
     g_acc, lse2, dp_const, g_q2, da_null_pre, delta_rest, keep, dmag_row, dvnull_part = _preamble(
-        q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window
+        q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window, launch
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -898,7 +905,7 @@ def polar_backward(
         return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
 
     # da_null is a separate output (not updated in place): autotuning reruns the kernel
-    polar_bwd_dq_kernel[dq_grid](
+    launch(polar_bwd_dq_kernel)[dq_grid](
         q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, dq, da_s, da_null,
         *strides, tq, tk, h, window, scale, *buckets, **common,
     )  # fmt: skip
@@ -906,7 +913,7 @@ def polar_backward(
     def dkdv_grid(meta):
         return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
 
-    polar_bwd_dkdv_kernel[dkdv_grid](
+    launch(polar_bwd_dkdv_kernel)[dkdv_grid](
         q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dk, dv, *strides, tq, tk, h, window, scale,
         *buckets, **common,
     )  # fmt: skip
