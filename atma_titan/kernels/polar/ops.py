@@ -57,66 +57,54 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
-@torch.library.custom_op("atma::polar_attention_fwd", mutates_args=())
-def polar_attention_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    len_gain: Tensor,
-    null_base: Tensor,
-    null_slope: Tensor,
-    mag_beta: Tensor,
-    v_null: Tensor,
-    window: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _kernels(q.device).polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+# One signature per direction; the bodies differ only in how they launch the kernels (`launch`
+# is torch.library.wrap_triton for the triton_ops, absent for the custom ops).
 
 
-@polar_attention_fwd.register_fake
-def _(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window):
-    b, tq, h, _ = q.shape
-    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(3)]
-    return (q.new_empty(q.shape), q.new_empty(b, tq, h), *stats)
+def _forward_body(**launch):
+    def forward(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        len_gain: Tensor,
+        null_base: Tensor,
+        null_slope: Tensor,
+        mag_beta: Tensor,
+        v_null: Tensor,
+        window: int,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        kernels = _kernels(q.device)
+        return kernels.polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, **launch)
+
+    return forward
 
 
-def _backward_gradients(
-    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window, **launch
-):
-    """The backward kernels; the per-head parameter gradients cast back to the parameters' dtypes."""
-    grads = _kernels(q.device).polar_backward(
-        g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm,
-        window, **launch,
-    )  # fmt: skip
-    params = (len_gain, null_base, null_slope, mag_beta, v_null)
-    return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
+def _backward_body(**launch):
+    def backward(
+        g_c: Tensor,
+        g_mag: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        len_gain: Tensor,
+        null_base: Tensor,
+        null_slope: Tensor,
+        mag_beta: Tensor,
+        v_null: Tensor,
+        c: Tensor,
+        lse: Tensor,
+        n_eff: Tensor,
+        s_norm: Tensor,
+        window: int,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        grads = _kernels(q.device).polar_backward(
+            g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff,
+            s_norm, window, **launch,
+        )  # fmt: skip
+        params = (len_gain, null_base, null_slope, mag_beta, v_null)
+        return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
 
-
-@torch.library.custom_op("atma::polar_attention_bwd", mutates_args=())
-def polar_attention_bwd(
-    g_c: Tensor,
-    g_mag: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    len_gain: Tensor,
-    null_base: Tensor,
-    null_slope: Tensor,
-    mag_beta: Tensor,
-    v_null: Tensor,
-    c: Tensor,
-    lse: Tensor,
-    n_eff: Tensor,
-    s_norm: Tensor,
-    window: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _backward_gradients(
-        g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window
-    )
-
-
-@polar_attention_bwd.register_fake
-def _(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, len_gain, null_base, null_slope, mag_beta, v_null))
+    return backward
 
 
 def _setup_context(ctx, inputs, output):
@@ -138,57 +126,36 @@ def _register_autograd(forward_op, backward_op) -> None:
     forward_op.register_autograd(backward, setup_context=_setup_context)
 
 
+polar_attention_fwd = torch.library.custom_op("atma::polar_attention_fwd", _forward_body(), mutates_args=())
+polar_attention_bwd = torch.library.custom_op("atma::polar_attention_bwd", _backward_body(), mutates_args=())
+
+
+@polar_attention_fwd.register_fake
+def _(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window):
+    b, tq, h, _ = q.shape
+    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(3)]
+    return (q.new_empty(q.shape), q.new_empty(b, tq, h), *stats)
+
+
+@polar_attention_bwd.register_fake
+def _(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, len_gain, null_base, null_slope, mag_beta, v_null))
+
+
 _register_autograd(polar_attention_fwd, torch.ops.atma.polar_attention_bwd)
 
 
-def _register_triton_ops() -> None:
-    """The same kernels as triton_ops: each launch goes through wrap_triton, so Inductor sees the kernels.
-    Registered at import where triton is installed (torch.library.triton_op warns without it)."""
-
-    @torch.library.triton_op("atma::polar_attention_fwd_inlined", mutates_args=())
-    def forward(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        len_gain: Tensor,
-        null_base: Tensor,
-        null_slope: Tensor,
-        mag_beta: Tensor,
-        v_null: Tensor,
-        window: int,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return _kernels(q.device).polar_forward(
-            q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, launch=torch.library.wrap_triton
-        )
-
-    @torch.library.triton_op("atma::polar_attention_bwd_inlined", mutates_args=())
-    def backward(
-        g_c: Tensor,
-        g_mag: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        len_gain: Tensor,
-        null_base: Tensor,
-        null_slope: Tensor,
-        mag_beta: Tensor,
-        v_null: Tensor,
-        c: Tensor,
-        lse: Tensor,
-        n_eff: Tensor,
-        s_norm: Tensor,
-        window: int,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return _backward_gradients(
-            g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window,
-            launch=torch.library.wrap_triton,
-        )  # fmt: skip
-
-    _register_autograd(forward, torch.ops.atma.polar_attention_bwd_inlined)
+def _wrap_triton(kernel):
+    return torch.library.wrap_triton(kernel)
 
 
+# triton_op warns at registration on a machine without triton; there it is simply not registered.
 if triton_installed():
-    _register_triton_ops()
+    _inlined_fwd = torch.library.triton_op(
+        "atma::polar_attention_fwd_inlined", _forward_body(launch=_wrap_triton), mutates_args=()
+    )
+    torch.library.triton_op("atma::polar_attention_bwd_inlined", _backward_body(launch=_wrap_triton), mutates_args=())
+    _register_autograd(_inlined_fwd, torch.ops.atma.polar_attention_bwd_inlined)
 
 
 def _forward_op(registration: str):
