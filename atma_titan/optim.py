@@ -48,7 +48,7 @@ def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> li
         per_batch = max(1, MAX_BATCH_ELEMENTS // shape.numel())  # bounds the stacked copies' memory
         for first in range(0, len(indices), per_batch):
             chunk = indices[first : first + per_batch]
-            if len(chunk) == 1:
+            if len(chunk) == 1:  # unstacked: the same products as torch.optim.Muon, bit for bit
                 out[chunk[0]] = orthogonalize(updates[chunk[0]], steps, eps)
                 continue
             for i, x in zip(chunk, orthogonalize(torch.stack([updates[i] for i in chunk]), steps, eps).unbind(0)):
@@ -85,9 +85,9 @@ class Muon(torch.optim.Muon):
                 # Formed in the gradients (zeroed after the step): DTensor has only in-place foreach lerp.
                 torch._foreach_lerp_(grads, bufs, momentum)
             updates = grads if group["nesterov"] else bufs
-            full = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
-            full = orthogonalize_all(full, group["ns_steps"], group["eps"])
-            for p, u, f in zip(params, updates, full):
+            whole = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
+            orthogonal = orthogonalize_all(whole, group["ns_steps"], group["eps"])
+            for p, u, f in zip(params, updates, orthogonal):
                 if isinstance(u, DTensor):
                     # src_data_rank=None: every rank holds `f` already, so slicing needs no communication.
                     f = distribute_tensor(f, u.device_mesh, u.placements, src_data_rank=None)

@@ -29,6 +29,11 @@ def block_matrices(flavor: str) -> list[torch.Size]:
     return [p.shape for p in split_parameters(model)["matrix"]]
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_steps(optimizer_cls, shapes, device, steps: int) -> float:
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in shapes]
@@ -37,10 +42,10 @@ def time_steps(optimizer_cls, shapes, device, steps: int) -> float:
     opt = optimizer_cls(params, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
     times = []
     for _ in range(steps + 2):  # two warm-up steps (momentum buffers, cuBLAS handles)
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        synchronize(device)
         start = time.perf_counter()
         opt.step()
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[2:])
 

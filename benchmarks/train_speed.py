@@ -115,8 +115,8 @@ def main() -> None:
     print(f"\n{'variant':<20} {'tokens/s':>12} {'vs ' + results[0]['variant']:>14} {'MFU':>7} {'peak GiB':>9}")
     for r in results:
         if "error" in r:
-            lines = r["error"].strip().splitlines()
-            print(f"{r['variant']:<20} failed: {lines[0]} ... {lines[-1]}")
+            first, *rest = r["error"].strip().splitlines()
+            print(f"{r['variant']:<20} failed: {first}" + (f" ... {rest[-1]}" if rest else ""))
             continue
         ratio = r["tokens_per_second"] / base if base else float("nan")
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atma_titan.kernels.gated_delta.chunked import _normalize_rows
+from atma_titan.kernels.gated_delta.chunked import _contiguous, _normalize_rows
 
 # Rows of M per program and warps. Memory-bound: each program streams ROWS x Dk fp32 once in and once
 # out (16-byte vector loads / stores). At B64 H8 128x128, 32 rows give B*H*Dv/32 = 2048 programs of
@@ -75,10 +75,6 @@ def _step_kernel(
     tl.store(r_ptr + token * DV + v_rows, r.to(r_ptr.dtype.element_ty), mask=v_in)
 
 
-def _contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def step_inplace(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk: bool = True) -> torch.Tensor:
     """Launch _step_kernel; state_pool (slots, H, Dv, Dk) fp32 is updated in place, r (B, H, Dv) returned.
 
@@ -86,7 +82,7 @@ def step_inplace(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk: bool
     contiguous fp32), no normalisation launches, no host synchronisation."""
     if state_pool.dtype != torch.float32 or not state_pool.is_contiguous():
         raise ValueError("state_pool must be a contiguous float32 tensor (it is updated in place)")
-    q, k, v, log_gamma, beta, slots = map(_contiguous, (q, k, v, log_gamma, beta, slots))
+    q, k, v, log_gamma, beta, slots = _contiguous(q, k, v, log_gamma, beta, slots)
     batch, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     r = torch.empty_like(v)
