@@ -1,22 +1,21 @@
 """Fused Polar attention against SDPA (flash and cuDNN) and the PyTorch streaming reference, on CUDA.
 
     python benchmarks/polar_attention.py [--lengths 2048,8192,32768,65536] [--quick] [--out PATH]
-    python benchmarks/polar_attention.py --quick --backends compiled_custom_op,compiled_triton_op,sdpa_flash
+    python benchmarks/polar_attention.py --quick --backends compiled,polar_triton,sdpa_flash
 
 Paper shape: 8 query heads, 2 KV heads, head_dim 128, bf16, causal; batch 16 at 2K, 4 at 8K, 1 at 32K and
 64K. Times are `triton.testing.do_bench` medians (warm-up and autotuning excluded). FLOPs: 4*B*H*T^2*D
 forward, halved for causal, backward 2.5x forward (forward+backward 3.5x). Ratios are against SDPA flash
-in the same run. compiled_custom_op / compiled_triton_op time the kernel inside torch.compile(fullgraph)
-through each torch.library registration (ops.py), to choose the one the model uses. Memory: peak of
-one forward+backward above what was allocated before it, minus the outputs and input gradients it
-leaves behind. A backend that fails is recorded as null with its error.
+in the same run. `compiled` times the kernel's custom ops inside torch.compile(fullgraph), as the model
+runs them (against polar_triton: what the opaque op costs). Memory: peak of one forward+backward above
+what was allocated before it, minus the outputs and input gradients it leaves behind. A backend that
+fails is recorded as null with its error.
 Results go to benchmarks/results/polar_attention-<gpu>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import re
 import sys
@@ -155,10 +154,8 @@ def run_backend(name, b, t, rep):
     note = {}
     if name == "polar_triton":
         fwd, fwd_bwd, leaves = polar_case(polar_attention_triton, b, t)
-    elif name in ("compiled_custom_op", "compiled_triton_op"):
-        registration = name.removeprefix("compiled_")
-        fn = functools.partial(polar_attention_triton, registration=registration)
-        fwd, fwd_bwd, leaves = polar_case(torch.compile(fn, fullgraph=True), b, t)
+    elif name == "compiled":
+        fwd, fwd_bwd, leaves = polar_case(torch.compile(polar_attention_triton, fullgraph=True), b, t)
     elif name == "polar_reference":
         fwd, fwd_bwd, leaves = polar_case(polar_attention, b, t, block_q=512, block_k=512)
     else:
@@ -214,8 +211,7 @@ def main() -> None:
     parser.add_argument(
         "--backends",
         default="polar_triton,sdpa_flash,sdpa_cudnn,polar_reference",
-        help="comma-separated, from polar_triton, sdpa_flash, sdpa_cudnn, polar_reference, compiled_custom_op, "
-        "compiled_triton_op",
+        help="comma-separated, from polar_triton, sdpa_flash, sdpa_cudnn, polar_reference, compiled",
     )
     parser.add_argument("--reference-max-len", type=int, default=8192, help="skip the PyTorch reference above")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/polar_attention-<gpu>.json)")

@@ -176,27 +176,6 @@ def test_compiled_fullgraph_with_gradient():
     assert_grads_close(actual, expected, rel=1e-4, abs_floor=1e-5)
 
 
-def test_triton_op_registration_equals_the_custom_op(monkeypatch):
-    """The triton_op pair launches every kernel through wrap_triton (so Inductor on CUDA sees them) and,
-    eagerly, gives the custom ops' outputs and gradients exactly; an unknown registration is refused."""
-    wrapped = []
-    wrap_triton = torch.library.wrap_triton
-    monkeypatch.setattr(
-        torch.library, "wrap_triton", lambda kernel: wrapped.append(kernel.fn.__name__) or wrap_triton(kernel)
-    )
-    inputs = make_inputs(2, 20, 26, 4, 2, 16, dtype=torch.float32, seed=18)
-    results = []
-    for registration in ("custom_op", "triton_op"):
-        c, mag = polar_attention_triton(*inputs, window=7, registration=registration)
-        results.append((c, mag, *torch.autograd.grad((c * c.flip(-1)).sum() + mag.square().sum(), inputs)))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-    kernels = ["polar_fwd_kernel", "polar_bwd_preamble_kernel", "polar_bwd_dq_kernel", "polar_bwd_dkdv_kernel"]
-    assert wrapped == kernels
-    with pytest.raises(ValueError, match="registration"):
-        polar_attention_triton(*inputs, registration="triton")
-
-
 def test_rejects_cpu_without_interpreter_and_bad_shapes(monkeypatch):
     inputs = make_inputs(1, 4, 4, 3, 2, 16, dtype=torch.float32, requires_grad=False)  # 3 heads over 2 KV heads
     with pytest.raises(ValueError):

@@ -8,10 +8,11 @@ CPU under TRITON_INTERPRET=1); the model uses these:
 - `atma::polar_attention_bwd(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null,
   c, lse, n_eff, s_norm, window)` -> the eight input gradients.
 
-The same pair is also registered as `triton_op`s (`atma::polar_attention_fwd_inlined` / `_bwd_inlined`,
-`polar_attention_triton(..., registration="triton_op")`): Inductor then sees the Triton launches and
-calls them from its own generated code. That works on CUDA only (on CPU Inductor tries to build the
-kernel), so the model keeps the custom ops; `benchmarks/polar_attention.py` times both compiled.
+Why custom_op and not triton_op: on CPU Inductor tries to build a triton_op's kernels (no driver); on the
+H200 (torch 2.11, Triton 3.6) Inductor failed to compile these kernels from a triton_op (a CompilationError
+at the first helper call), while the compiled custom op matches the eager kernels forward+backward within
+3% from 2K to 64K (`benchmarks/polar_attention.py --backends compiled,polar_triton`): for kernels of
+milliseconds an opaque op costs nothing measurable.
 
 Triton is imported on the first call only, so importing this module works on machines without it.
 """
@@ -23,12 +24,9 @@ import os
 import torch
 from torch import Tensor
 
-from atma_titan.kernels.backends import triton_installed
 from atma_titan.kernels.polar.reference import _check_inputs
 
-__all__ = ["polar_attention_triton", "supports_head_dim", "REGISTRATIONS"]
-
-REGISTRATIONS = ("custom_op", "triton_op")
+__all__ = ["polar_attention_triton", "supports_head_dim"]
 
 
 def supports_head_dim(d: int) -> bool:
@@ -57,54 +55,43 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
-# One signature per direction; the bodies differ only in how they launch the kernels (`launch`
-# is torch.library.wrap_triton for the triton_ops, absent for the custom ops).
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    len_gain: Tensor,
+    null_base: Tensor,
+    null_slope: Tensor,
+    mag_beta: Tensor,
+    v_null: Tensor,
+    window: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kernels(q.device).polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
 
 
-def _forward_body(**launch):
-    def forward(
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        len_gain: Tensor,
-        null_base: Tensor,
-        null_slope: Tensor,
-        mag_beta: Tensor,
-        v_null: Tensor,
-        window: int,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        kernels = _kernels(q.device)
-        return kernels.polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, **launch)
-
-    return forward
-
-
-def _backward_body(**launch):
-    def backward(
-        g_c: Tensor,
-        g_mag: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        len_gain: Tensor,
-        null_base: Tensor,
-        null_slope: Tensor,
-        mag_beta: Tensor,
-        v_null: Tensor,
-        c: Tensor,
-        lse: Tensor,
-        n_eff: Tensor,
-        s_norm: Tensor,
-        window: int,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        grads = _kernels(q.device).polar_backward(
-            g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff,
-            s_norm, window, **launch,
-        )  # fmt: skip
-        params = (len_gain, null_base, null_slope, mag_beta, v_null)
-        return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
-
-    return backward
+def _backward(
+    g_c: Tensor,
+    g_mag: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    len_gain: Tensor,
+    null_base: Tensor,
+    null_slope: Tensor,
+    mag_beta: Tensor,
+    v_null: Tensor,
+    c: Tensor,
+    lse: Tensor,
+    n_eff: Tensor,
+    s_norm: Tensor,
+    window: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = _kernels(q.device).polar_backward(
+        g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm,
+        window,
+    )  # fmt: skip
+    params = (len_gain, null_base, null_slope, mag_beta, v_null)
+    return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
 
 
 def _setup_context(ctx, inputs, output):
@@ -115,19 +102,17 @@ def _setup_context(ctx, inputs, output):
     ctx.window = window
 
 
-def _register_autograd(forward_op, backward_op) -> None:
-    def backward(ctx, g_c, g_mag, *_stat_grads):
-        saved = ctx.saved_tensors
-        c = saved[8]
-        g_c = torch.zeros_like(c) if g_c is None else g_c
-        g_mag = c.new_zeros(c.shape[:3]) if g_mag is None else g_mag
-        return (*backward_op(g_c, g_mag, *saved, ctx.window), None)
-
-    forward_op.register_autograd(backward, setup_context=_setup_context)
+def _backward_of_forward(ctx, g_c, g_mag, *_stat_grads):
+    saved = ctx.saved_tensors
+    c = saved[8]
+    g_c = torch.zeros_like(c) if g_c is None else g_c
+    g_mag = c.new_zeros(c.shape[:3]) if g_mag is None else g_mag
+    return (*polar_attention_bwd(g_c, g_mag, *saved, ctx.window), None)
 
 
-polar_attention_fwd = torch.library.custom_op("atma::polar_attention_fwd", _forward_body(), mutates_args=())
-polar_attention_bwd = torch.library.custom_op("atma::polar_attention_bwd", _backward_body(), mutates_args=())
+polar_attention_fwd = torch.library.custom_op("atma::polar_attention_fwd", _forward, mutates_args=())
+polar_attention_bwd = torch.library.custom_op("atma::polar_attention_bwd", _backward, mutates_args=())
+polar_attention_fwd.register_autograd(_backward_of_forward, setup_context=_setup_context)
 
 
 @polar_attention_fwd.register_fake
@@ -142,44 +127,14 @@ def _(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c,
     return tuple(x.new_empty(x.shape) for x in (q, k, v, len_gain, null_base, null_slope, mag_beta, v_null))
 
 
-_register_autograd(polar_attention_fwd, torch.ops.atma.polar_attention_bwd)
-
-
-def _wrap_triton(kernel):
-    # looked up per launch, not bound at import: a test records the launches that go through it
-    return torch.library.wrap_triton(kernel)
-
-
-# triton_op warns at registration on a machine without triton; there it is simply not registered.
-if triton_installed():
-    _inlined_fwd = torch.library.triton_op(
-        "atma::polar_attention_fwd_inlined", _forward_body(launch=_wrap_triton), mutates_args=()
-    )
-    torch.library.triton_op("atma::polar_attention_bwd_inlined", _backward_body(launch=_wrap_triton), mutates_args=())
-    _register_autograd(_inlined_fwd, torch.ops.atma.polar_attention_bwd_inlined)
-
-
-def _forward_op(registration: str):
-    if registration not in REGISTRATIONS:
-        raise ValueError(f"registration = {registration!r}; allowed: {', '.join(REGISTRATIONS)}")
-    if registration == "triton_op" and not triton_installed():
-        raise RuntimeError("registration = 'triton_op' needs triton installed")
-    if registration == "custom_op":
-        return torch.ops.atma.polar_attention_fwd
-    return torch.ops.atma.polar_attention_fwd_inlined
-
-
-def polar_attention_triton(
-    q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, registration="custom_op"
-):
+def polar_attention_triton(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0):
     """Fused Polar attention (same contract as `polar_attention`): returns c (B, Tq, H, D), mag (B, Tq, H).
 
     q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk (queries are the last Tq positions);
     len_gain, null_base, null_slope, mag_beta (H,); v_null (H, D). head_dim must be a power of two
-    in [16, 256]. CUDA, or CPU under TRITON_INTERPRET=1 (where torch.compile takes only custom_op).
+    in [16, 256]. CUDA, or CPU under TRITON_INTERPRET=1.
     """
-    forward = _forward_op(registration)
     _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     _check_head_dim(q.shape[-1])
-    c, mag, *_ = forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    c, mag, *_ = polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     return c, mag

@@ -380,6 +380,7 @@ def polar_bwd_preamble_kernel(
     V_NULL,
     GACC,
     LSE2,
+    DS_SCALE,
     DPC,
     GQ2,
     DA_NULL,
@@ -403,6 +404,7 @@ def polar_bwd_preamble_kernel(
     Tk,
     H,
     window,
+    sm_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -455,6 +457,8 @@ def polar_bwd_preamble_kernel(
         mask=mask2d,
     )
     tl.store(LSE2 + stats, lse * LOG2E, mask=row_ok)
+    # d a / d(q.k) = temp * scale, read by the dk/dv sweep (which would otherwise take a log per tile)
+    tl.store(DS_SCALE + stats, temp * sm_scale, mask=row_ok)
     tl.store(DPC + stats, g_l - keep * delta, mask=row_ok)
     tl.store(GQ2 + stats, g_q2, mask=row_ok)
     tl.store(DA_NULL + stats, da_null, mask=row_ok)
@@ -637,17 +641,16 @@ def _dkdv_query_tiles(
     a_base,
     stats_base,
     LSE2,
+    DS_SCALE,
     DPC,
     GQ2,
     stride_qt,
     stride_at,
-    sp_alpha,
     lo,
     hi,
     Tq,
     offset,
     window,
-    sm_scale,
     offs_m,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
@@ -665,23 +668,26 @@ def _dkdv_query_tiles(
         if MASKED:
             row_ok = rows < Tq
             lse2 = tl.load(LSE2 + stats_base + rows, mask=row_ok, other=0.0)
+            ds_scale = tl.load(DS_SCALE + stats_base + rows, mask=row_ok, other=0.0)
             dp_const = tl.load(DPC + stats_base + rows, mask=row_ok, other=0.0)
             g_q2 = tl.load(GQ2 + stats_base + rows, mask=row_ok, other=0.0)
         else:
             lse2 = tl.load(LSE2 + stats_base + rows)
+            ds_scale = tl.load(DS_SCALE + stats_base + rows)
             dp_const = tl.load(DPC + stats_base + rows)
             g_q2 = tl.load(GQ2 + stats_base + rows)
-        q_pos = offset + rows
-        temp = 1.0 + sp_alpha * tl.log(_visible_counts(q_pos, window))
-        a_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * (temp * (sm_scale * LOG2E))[None, :]
-        a_t = a_t - lse2[None, :]
+        a_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * (ds_scale * LOG2E)[None, :] - lse2[None, :]
         if MASKED:
+            q_pos = offset + rows
             vis = _visibility(q_pos[None, :], k_pos[:, None], window) & (rows < Tq)[None, :]
             a_t = tl.where(vis, a_t, float("-inf"))
         p_t = tl.math.exp2(a_t)
         dv = tl.dot(p_t.to(g_acc.dtype), g_acc, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(g_acc), input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t + dp_const[None, :] + 2.0 * g_q2[None, :] * p_t) * (temp * sm_scale)[None, :]
+        # ds = p (dp + dp_const + 2 g_q2 p) ds_scale, with the per-query factors folded: two FMAs and a product
+        dp_w = (dp_const * ds_scale)[None, :]
+        p_w = (2.0 * g_q2 * ds_scale)[None, :]
+        ds_t = p_t * (dp_t * ds_scale[None, :] + dp_w + p_w * p_t)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -694,9 +700,9 @@ def polar_bwd_dkdv_kernel(
     V,
     GACC,
     LSE2,
+    DS_SCALE,
     DPC,
     GQ2,
-    SP_ALPHA,
     DK,
     DV,
     stride_qb,
@@ -712,7 +718,6 @@ def polar_bwd_dkdv_kernel(
     Tk,
     H,
     window,
-    sm_scale,
     TQ_BUCKET,  # autotuning key only: lengths rounded up to a power of two
     TK_BUCKET,
     GROUP: tl.constexpr,
@@ -747,24 +752,23 @@ def polar_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         a_base = GACC + b * stride_qb + h * stride_qh  # g_acc has q's layout
         stats_base = (b * H + h) * Tq
-        sp_alpha = tl.load(SP_ALPHA + h)
-        args = (k, v, k_pos, q_base, a_base, stats_base, LSE2, DPC, GQ2, stride_qt, stride_qt, sp_alpha)
+        args = (k, v, k_pos, q_base, a_base, stats_base, LSE2, DS_SCALE, DPC, GQ2, stride_qt, stride_qt)
         if SPLIT_MASK:
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, lo, tl.minimum(full_lo, hi), Tq, offset, window, sm_scale, offs_m, HEAD_DIM,
+                dk, dv, *args, lo, tl.minimum(full_lo, hi), Tq, offset, window, offs_m, HEAD_DIM,
                 True, BLOCK_M, DOT_PRECISION,
             )  # fmt: skip
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, full_lo, full_hi, Tq, offset, window, sm_scale, offs_m, HEAD_DIM,
+                dk, dv, *args, full_lo, full_hi, Tq, offset, window, offs_m, HEAD_DIM,
                 False, BLOCK_M, DOT_PRECISION,
             )  # fmt: skip
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, tl.maximum(full_lo, full_hi), hi, Tq, offset, window, sm_scale, offs_m, HEAD_DIM,
+                dk, dv, *args, tl.maximum(full_lo, full_hi), hi, Tq, offset, window, offs_m, HEAD_DIM,
                 True, BLOCK_M, DOT_PRECISION,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, lo, hi, Tq, offset, window, sm_scale, offs_m, HEAD_DIM, True, BLOCK_M, DOT_PRECISION
+                dk, dv, *args, lo, hi, Tq, offset, window, offs_m, HEAD_DIM, True, BLOCK_M, DOT_PRECISION
             )
     _store_tile(_tile(DK + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), dk)
     _store_tile(_tile(DV + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), dv)
@@ -795,14 +799,8 @@ class HeadParams:
         self.v_null = v_null.float().contiguous()
 
 
-def _direct(kernel):
-    return kernel
-
-
-def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window: int, launch=_direct):
-    """Returns c (B, Tq, H, D), mag (B, Tq, H) in q's dtype and fp32 (B, H, Tq) lse, n_eff, ||s_vec||.
-
-    launch(kernel)[grid](...) starts each kernel: torch.library.wrap_triton inside a triton_op (ops.py)."""
+def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window: int):
+    """Returns c (B, Tq, H, D), mag (B, Tq, H) in q's dtype and fp32 (B, H, Tq) lse, n_eff, ||s_vec||."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -814,7 +812,7 @@ def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
     def grid(meta):
         return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
 
-    launch(polar_fwd_kernel)[grid](
+    polar_fwd_kernel[grid](
         q, k, v, c, mag, lse, n_eff, s_norm,
         params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
         q.stride(0), q.stride(1), q.stride(2),
@@ -834,27 +832,27 @@ def length_buckets(tq: int, tk: int) -> tuple[int, int]:
     return triton.next_power_of_2(tq), triton.next_power_of_2(tk)
 
 
-def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int, launch):
+def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int):
     """Launch the per-query backward preamble; returns its per-query outputs."""
     b, tq, h, d = q.shape
     g_acc = torch.empty_like(q)
-    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(7)]
-    lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row = stats
+    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(8)]
+    lse2, ds_scale, dp_const, g_q2, da_null, delta_rest, keep, dmag_row = stats
     n_tiles = triton.cdiv(tq, PREAMBLE_BLOCK_M)
     dvnull_part = q.new_empty(b, h, n_tiles, d, dtype=torch.float32)
-    launch(polar_bwd_preamble_kernel)[(n_tiles, b * h)](
+    polar_bwd_preamble_kernel[(n_tiles, b * h)](
         c, g_c, g_mag, lse, n_eff, s_norm,
         params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
-        g_acc, lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part,
+        g_acc, lse2, ds_scale, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part,
         c.stride(0), c.stride(1), c.stride(2),
         g_c.stride(0), g_c.stride(1), g_c.stride(2),
         g_mag.stride(0), g_mag.stride(1), g_mag.stride(2),
         g_acc.stride(0), g_acc.stride(1), g_acc.stride(2),
-        tq, tk, h, window,
+        tq, tk, h, window, 1.0 / math.sqrt(d),
         HEAD_DIM=d, BLOCK_M=PREAMBLE_BLOCK_M,
         num_warps=PREAMBLE_WARPS,
     )  # fmt: skip
-    return g_acc, lse2, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part
+    return g_acc, lse2, ds_scale, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part
 
 
 def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq, tk, window):
@@ -880,16 +878,15 @@ def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq
 
 
 def polar_backward(
-    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int,
-    launch=_direct,
+    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int
 ):  # fmt: skip
     """All eight input gradients (fp32 for the per-head parameters, input dtype for q, k, v)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     params = HeadParams(len_gain, null_base, null_slope, mag_beta, v_null)
-    g_acc, lse2, dp_const, g_q2, da_null_pre, delta_rest, keep, dmag_row, dvnull_part = _preamble(
-        q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window, launch
+    g_acc, lse2, ds_scale, dp_const, g_q2, da_null_pre, delta_rest, keep, dmag_row, dvnull_part = _preamble(
+        q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -905,7 +902,7 @@ def polar_backward(
         return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
 
     # da_null is a separate output (not updated in place): autotuning reruns the kernel
-    launch(polar_bwd_dq_kernel)[dq_grid](
+    polar_bwd_dq_kernel[dq_grid](
         q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, dq, da_s, da_null,
         *strides, tq, tk, h, window, scale, *buckets, **common,
     )  # fmt: skip
@@ -913,9 +910,8 @@ def polar_backward(
     def dkdv_grid(meta):
         return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
 
-    launch(polar_bwd_dkdv_kernel)[dkdv_grid](
-        q, k, v, g_acc, lse2, dp_const, g_q2, params.sp_alpha, dk, dv, *strides, tq, tk, h, window, scale,
-        *buckets, **common,
+    polar_bwd_dkdv_kernel[dkdv_grid](
+        q, k, v, g_acc, lse2, ds_scale, dp_const, g_q2, dk, dv, *strides, tq, tk, h, window, *buckets, **common,
     )  # fmt: skip
     head_grads = _head_gradients(params, da_s, da_null, dmag_row, dvnull_part, tq, tk, window)
     return (dq, dk, dv, *head_grads)
