@@ -55,7 +55,8 @@ def _kernels(device: torch.device):
     return triton_kernels
 
 
-def _forward(
+@torch.library.custom_op("atma::polar_attention_fwd", mutates_args=())
+def polar_attention_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -69,7 +70,15 @@ def _forward(
     return _kernels(q.device).polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
 
 
-def _backward(
+@polar_attention_fwd.register_fake
+def _(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window):
+    b, tq, h, _ = q.shape
+    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(3)]
+    return (q.new_empty(q.shape), q.new_empty(b, tq, h), *stats)
+
+
+@torch.library.custom_op("atma::polar_attention_bwd", mutates_args=())
+def polar_attention_bwd(
     g_c: Tensor,
     g_mag: Tensor,
     q: Tensor,
@@ -86,12 +95,18 @@ def _backward(
     s_norm: Tensor,
     window: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = _kernels(q.device).polar_backward(
+    kernels = _kernels(q.device)
+    grads = kernels.polar_backward(
         g_c.contiguous(), g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm,
         window,
     )  # fmt: skip
     params = (len_gain, null_base, null_slope, mag_beta, v_null)
     return (*grads[:3], *(g.to(p.dtype) for g, p in zip(grads[3:], params)))
+
+
+@polar_attention_bwd.register_fake
+def _(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, len_gain, null_base, null_slope, mag_beta, v_null))
 
 
 def _setup_context(ctx, inputs, output):
@@ -102,29 +117,16 @@ def _setup_context(ctx, inputs, output):
     ctx.window = window
 
 
-def _backward_of_forward(ctx, g_c, g_mag, *_stat_grads):
+def _backward(ctx, g_c, g_mag, *_stat_grads):
     saved = ctx.saved_tensors
     c = saved[8]
     g_c = torch.zeros_like(c) if g_c is None else g_c
     g_mag = c.new_zeros(c.shape[:3]) if g_mag is None else g_mag
-    return (*polar_attention_bwd(g_c, g_mag, *saved, ctx.window), None)
+    grads = torch.ops.atma.polar_attention_bwd(g_c, g_mag, *saved, ctx.window)
+    return (*grads, None)
 
 
-polar_attention_fwd = torch.library.custom_op("atma::polar_attention_fwd", _forward, mutates_args=())
-polar_attention_bwd = torch.library.custom_op("atma::polar_attention_bwd", _backward, mutates_args=())
-polar_attention_fwd.register_autograd(_backward_of_forward, setup_context=_setup_context)
-
-
-@polar_attention_fwd.register_fake
-def _(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window):
-    b, tq, h, _ = q.shape
-    stats = [q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(3)]
-    return (q.new_empty(q.shape), q.new_empty(b, tq, h), *stats)
-
-
-@polar_attention_bwd.register_fake
-def _(g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, len_gain, null_base, null_slope, mag_beta, v_null))
+polar_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def polar_attention_triton(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0):
@@ -136,5 +138,5 @@ def polar_attention_triton(q, k, v, len_gain, null_base, null_slope, mag_beta, v
     """
     _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     _check_head_dim(q.shape[-1])
-    c, mag, *_ = polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    c, mag, *_ = torch.ops.atma.polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     return c, mag

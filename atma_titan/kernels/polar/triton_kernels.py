@@ -879,7 +879,7 @@ def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq
 
 def polar_backward(
     g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int
-):  # fmt: skip
+):
     """All eight input gradients (fp32 for the per-head parameters, input dtype for q, k, v)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, tq, h, d = q.shape
