@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -58,16 +58,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-MODEL_KEY = "model"
-MARKER = "COMPLETE"
-RANK_STATE_DIR = "rank_state"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+from atma_titan.run_folder import COMPLETE_NAME, complete_steps, is_complete, latest_complete_step, step_dir, step_dirs
 
-# DCP warns on every save and load made without torch.distributed (also from the async writer
-# thread, where a local catch_warnings cannot reach); one process is a mode we support on purpose.
-warnings.filterwarnings(
-    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized", category=UserWarning
-)
+MODEL_KEY = "model"
+RANK_STATE_DIR = "rank_state"
 
 __all__ = [
     "CheckpointManager",
@@ -159,40 +153,19 @@ def _global_rank() -> int:
     return dist.get_rank() if _dist_on() else 0
 
 
-def _step_of(path: Path) -> int | None:
-    match = _STEP_DIR.match(path.name)
-    return int(match.group(1)) if match and path.is_dir() else None
-
-
-def _step_dirs(folder: Path) -> list[tuple[int, Path]]:
-    """(step, dir) for every step-<n> directory, complete or not, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [(_step_of(p), p) for p in folder.iterdir()]
-    return sorted((s, p) for s, p in found if s is not None)
-
-
-def _is_complete(ckpt: Path) -> bool:
-    return (ckpt / MARKER).is_file()
-
-
-def _complete_steps(folder: Path) -> list[int]:
-    return [s for s, p in _step_dirs(folder) if _is_complete(p)]
-
-
 def _read_marker(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / MARKER).read_text())
+    return json.loads((ckpt / COMPLETE_NAME).read_text())
 
 
 def _write_marker(ckpt: Path, step: int, world_size: int) -> None:
     """Write COMPLETE atomically: a reader sees the whole file or none."""
-    tmp = ckpt / f".{MARKER}.tmp"
+    tmp = ckpt / f".{COMPLETE_NAME}.tmp"
     info = {"step": step, "world_size": world_size, "time": time.time(), "torch": torch.__version__}
     with open(tmp, "w") as f:
         json.dump(info, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, ckpt / MARKER)
+    os.replace(tmp, ckpt / COMPLETE_NAME)
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -203,7 +176,7 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
 
 def _remove_checkpoint(ckpt: Path) -> None:
     # The marker goes first: if we die halfway, what is left no longer counts as a checkpoint.
-    (ckpt / MARKER).unlink(missing_ok=True)
+    (ckpt / COMPLETE_NAME).unlink(missing_ok=True)
     shutil.rmtree(ckpt, ignore_errors=True)
 
 
@@ -222,7 +195,8 @@ class CheckpointManager:
 
     Construct it, save and load on every rank: all three are collective when torch.distributed
     is initialised. `rank` and `world_size` default to those of the default process group (or 0
-    and 1 without one); given explicitly, they must agree with it.
+    and 1 without one); given explicitly, they must agree with it. `on_saved(step, directory,
+    seconds)` is called on rank 0 once a checkpoint is complete (seconds since its save began).
     """
 
     def __init__(
@@ -233,6 +207,7 @@ class CheckpointManager:
         async_save: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        on_saved: Callable[[int, Path, float], None] | None = None,
     ):
         if keep_latest_k < 0:
             raise ValueError(f"keep_latest_k = {keep_latest_k} is invalid; allowed: 0 (keep all) or a positive count")
@@ -244,7 +219,9 @@ class CheckpointManager:
         # must never share a group with the training loop's collectives, and async_save needs a CPU
         # backend anyway. Barriers and small object broadcasts use it too, keeping them off NCCL.
         self._group = dist.new_group(backend="gloo") if _dist_on() else None
+        self.on_saved = on_saved
         self._pending: tuple[int, Any] | None = None  # (step, future) of an in-flight async save
+        self._save_began = 0.0
         self._closed = False
         if self.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -253,16 +230,15 @@ class CheckpointManager:
     # -- queries --------------------------------------------------------------------------------
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.folder / f"step-{step}"
+        return step_dir(self.folder, step)
 
     def latest_step(self) -> int | None:
         """Newest step with a COMPLETE marker under the folder, or None. Reads the filesystem locally."""
-        steps = _complete_steps(self.folder)
-        return steps[-1] if steps else None
+        return latest_complete_step(self.folder)
 
     def saved_world_size(self, step: int) -> int:
         ckpt = self.checkpoint_dir(step)
-        if not _is_complete(ckpt):
+        if not is_complete(ckpt):
             raise FileNotFoundError(self._not_found(ckpt))
         return int(_read_marker(ckpt)["world_size"])
 
@@ -283,6 +259,7 @@ class CheckpointManager:
                 f"checkpoint state has no {MODEL_KEY!r} key; load_model_only will not find weights in it", stacklevel=2
             )
         ckpt = self.checkpoint_dir(step)
+        self._save_began = time.perf_counter()
         if self.rank == 0:
             self._fresh_dir(ckpt)
         self._barrier()  # the directory exists before any rank writes into it
@@ -347,23 +324,25 @@ class CheckpointManager:
         self._barrier()  # every rank may now treat the checkpoint as complete
         if self.rank == 0 and self.keep_latest_k > 0:
             self._apply_retention(just_saved=step)
+        if self.rank == 0 and self.on_saved is not None:
+            self.on_saved(step, ckpt, time.perf_counter() - self._save_began)
 
     def _fresh_dir(self, ckpt: Path) -> None:
         """Empty step directory with its rank_state subdirectory (rank 0 only)."""
         if ckpt.exists():
-            if _is_complete(ckpt):
+            if is_complete(ckpt):
                 warnings.warn(f"overwriting the complete checkpoint {ckpt}", stacklevel=3)
             _remove_checkpoint(ckpt)  # leftovers of a crashed save, or a repeated step
         (ckpt / RANK_STATE_DIR).mkdir(parents=True, exist_ok=True)
 
     def _apply_retention(self, just_saved: int) -> None:
-        complete = _complete_steps(self.folder)
+        complete = complete_steps(self.folder)
         keep = set(complete[-self.keep_latest_k :]) | {just_saved}
         newest = complete[-1] if complete else -1
-        for step, ckpt in _step_dirs(self.folder):
+        for step, ckpt in step_dirs(self.folder):
             if step in keep:
                 continue
-            if _is_complete(ckpt) or step < newest:
+            if is_complete(ckpt) or step < newest:
                 _remove_checkpoint(ckpt)
 
     def _resolve(self, step: int | None, path: str | Path | None) -> tuple[Path, int]:
@@ -378,7 +357,7 @@ class CheckpointManager:
             except FileNotFoundError as e:
                 answer = str(e)
             except (ValueError, KeyError) as e:  # a marker that is not our JSON
-                answer = f"unreadable {MARKER} marker under {self.folder}: {e!r}"
+                answer = f"unreadable {COMPLETE_NAME} marker under {self.folder}: {e!r}"
         answer = self._broadcast(answer)
         if isinstance(answer, str):  # every rank raises, so none waits forever in dcp.load
             raise FileNotFoundError(answer)
@@ -392,18 +371,18 @@ class CheckpointManager:
         else:
             latest = self.latest_step()
             if latest is None:
-                raise FileNotFoundError(f"no complete checkpoint (step-<n>/{MARKER}) under {self.folder}")
+                raise FileNotFoundError(f"no complete checkpoint (step-<n>/{COMPLETE_NAME}) under {self.folder}")
             ckpt = self.checkpoint_dir(latest)
-        if not _is_complete(ckpt):
+        if not is_complete(ckpt):
             raise FileNotFoundError(self._not_found(ckpt))
         return ckpt
 
     def _not_found(self, ckpt: Path) -> str:
-        have = _complete_steps(self.folder)
-        state = "does not exist" if not ckpt.exists() else f"has no {MARKER} marker (an unfinished save)"
+        have = complete_steps(self.folder)
+        state = "does not exist" if not ckpt.exists() else f"has no {COMPLETE_NAME} marker (an unfinished save)"
         return (
             f"checkpoint {ckpt} {state}; complete checkpoints under {self.folder}: "
-            f"{', '.join(f'step-{s}' for s in have) if have else 'none'}"
+            f"{', '.join(step_dir(self.folder, s).name for s in have) if have else 'none'}"
         )
 
     def _barrier(self) -> None:
@@ -445,12 +424,12 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 def _weights_dir(path_or_dir: str | Path) -> Path:
     """A complete step directory, or the newest complete one under a checkpoint folder."""
     path = Path(path_or_dir)
-    if _is_complete(path):
+    if is_complete(path):
         return path
-    steps = _complete_steps(path)
+    steps = complete_steps(path)
     if steps:
-        return path / f"step-{steps[-1]}"
-    raise FileNotFoundError(f"{path} is neither a complete checkpoint (with {MARKER}) nor a folder holding one")
+        return step_dir(path, steps[-1])
+    raise FileNotFoundError(f"{path} is neither a complete checkpoint (with {COMPLETE_NAME}) nor a folder holding one")
 
 
 @torch.no_grad()
@@ -463,14 +442,6 @@ def load_model_only(model: nn.Module, path_or_dir: str | Path) -> Path:
     ckpt = _weights_dir(path_or_dir)
     dcp.load({MODEL_KEY: ModelState(model)}, checkpoint_id=str(ckpt))
     return ckpt
-
-
-def _safetensors():
-    try:
-        import safetensors.torch
-    except ImportError as e:  # an optional dependency: only export and import need it
-        raise ImportError("safetensors export/import needs the 'safetensors' package: pip install safetensors") from e
-    return safetensors.torch
 
 
 def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -492,7 +463,6 @@ def export_safetensors(model: nn.Module, path: str | Path, *, dtype: torch.dtype
     Collective under FSDP2 (every rank takes part in gathering the shards); only rank 0 writes,
     and returns the path (other ranks get None). `dtype` casts floating-point tensors, e.g. to bf16.
     """
-    st = _safetensors()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _global_rank() != 0:
         return None
@@ -501,7 +471,7 @@ def export_safetensors(model: nn.Module, path: str | Path, *, dtype: torch.dtype
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    st.save_file(_unshared(full), str(tmp), metadata={"format": "pt"})
+    save_file(_unshared(full), str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     return path
 
@@ -512,6 +482,5 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True)
 
     Meant for one device; under FSDP2 every rank reads the whole file and keeps its shards.
     """
-    st = _safetensors()
-    full = st.load_file(str(path))
+    full = load_file(str(path))
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=strict))

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from atma_titan.errors import ConfigError
+from atma_titan.models.flavors import FLAVORS, ModelArgs, config_fields, resolve_model_args
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration problem, worded for the user who wrote the config."""
 
 
 def opt(default: Any, doc: str, choices: tuple | None = None):
@@ -42,49 +41,26 @@ class Job:
     seed: int = opt(0, "Seed for model initialisation and data order.")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower; for debugging and tests).")
     dry_run: bool = opt(False, "Build the model on the meta device, print its size and exit.")
-    print_config: bool = opt(True, "Print the resolved config at start.")
+    print_config: bool = opt(False, "Print the resolved config at start (it is always written to config.toml).")
 
 
-@dataclass
-class Model:
-    flavor: str = opt("debug", "Named model size from atma_titan.models.flavors.")
-    vocab_size: Optional[int] = opt(None, "Vocabulary size (None: the flavor's).")
-    d_model: Optional[int] = opt(None, "Residual width (None: the flavor's).")
-    n_layers: Optional[int] = opt(None, "Number of blocks (None: the flavor's).")
-    n_heads: Optional[int] = opt(None, "Query heads in global blocks (None: the flavor's).")
-    n_kv_heads: Optional[int] = opt(None, "Key/value heads, GQA (None: the flavor's).")
-    head_dim: Optional[int] = opt(None, "Per-head dimension (None: the flavor's).")
-    mlp_hidden: Optional[int] = opt(None, "MLP hidden width (None: the flavor's).")
-    mlp: Optional[str] = opt(None, "MLP type (None: the flavor's).", ("relu2", "swiglu"))
-    global_layers: Optional[str] = opt(
-        None,
-        "Which blocks are global (Polar/softmax + memory): a rule 'i%4==2', a list '2,6,10,14', "
-        "'all' or '[]' (None: the flavor's).",
-    )
-    attention: Optional[str] = opt(None, "Global attention kind (None: the flavor's).", ("polar", "softmax"))
-    position: Optional[str] = opt(None, "Position scheme in attention (None: the flavor's).", ("nope", "rope"))
-    canon: Optional[bool] = opt(None, "Canon residual convolutions on q, k, v (None: the flavor's).")
-    memory: Optional[bool] = opt(None, "Gated-delta memory branch in global blocks (None: the flavor's).")
-    window: Optional[int] = opt(None, "Attention window in tokens, 0 = full context (None: the flavor's).")
-    distractor_weight: Optional[float] = opt(None, "Weight of the distractor loss, 0 = off (None: the flavor's).")
-    distractor_keys: Optional[int] = opt(None, "Random keys per query for the distractor loss (None: the flavor's).")
-    gamma_max: Optional[float] = opt(
-        None, "Cap on memory retention gamma, multiplies the sigmoid (None: the flavor's)."
-    )
-    logit_softcap: Optional[float] = opt(None, "LM-head logit soft-cap c, 0 = off (None: the flavor's).")
-    memory_chunk: Optional[int] = opt(None, "Chunk length of the chunked memory form (None: the flavor's).")
-    attention_block: Optional[int] = opt(None, "Query/key tile of the streaming Polar reference (None: the flavor's).")
-    attention_impl: Optional[str] = opt(
-        None,
-        "Polar kernel: auto (Triton on CUDA, reference elsewhere), triton, reference (None: the flavor's).",
-        ("auto", "triton", "reference"),
-    )
-    memory_impl: Optional[str] = opt(
-        None,
-        "Gated-delta kernel: auto (Triton on CUDA, reference elsewhere), triton, reference, or fla "
-        "(flash-linear-attention, when installed) (None: the flavor's).",
-        ("auto", "triton", "reference", "fla"),
-    )
+def _model_section() -> type:
+    """`[model]`: the flavor, then every ModelArgs config field as an optional override (None: the flavor's).
+
+    Generated from atma_titan.models.flavors.ModelArgs, where each hyper-parameter, its doc and its
+    allowed values are written once."""
+    hints = typing.get_type_hints(ModelArgs)
+    fields = [("flavor", str, opt("debug", "Named model size (atma_titan.models.flavors).", tuple(FLAVORS)))]
+    for f in config_fields():
+        kind = f.metadata["config_type"] or hints[f.name]
+        doc = f"{f.metadata['doc']} (None: the flavor's)."
+        fields.append((f.name, Optional[kind], opt(None, doc, f.metadata["choices"])))
+    section = dataclasses.make_dataclass("Model", fields)
+    section.__module__ = __name__
+    return section
+
+
+Model = _model_section()
 
 
 @dataclass
@@ -481,14 +457,7 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.profiling.steps >= 1, "profiling.steps", cfg.profiling.steps, "an integer >= 1")
     need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
-    # Model flavor and overrides are checked where the model args are resolved (models/flavors.py),
-    # so the message can name the flavor.
-    from atma_titan.models.flavors import resolve_model_args
-
-    try:
-        resolve_model_args(cfg.model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    resolve_model_args(cfg.model)  # the flavor and the overrides together (models/flavors.py)
 
 
 # ---------------------------------------------------------------------------------------------

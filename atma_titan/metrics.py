@@ -29,11 +29,15 @@ from typing import Any, Callable
 
 import torch
 
+from atma_titan.errors import InputError, import_optional
+from atma_titan.run_folder import METRICS_NAME, read_metrics
+
 __all__ = [
     "PEAK_BF16_FLOPS",
     "peak_flops",
     "peak_flops_for_name",
     "flops_per_token",
+    "format_duration",
     "format_stdout",
     "Throughput",
     "device_memory_gib",
@@ -197,8 +201,20 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
-def format_stdout(step: int, metrics: dict[str, Any]) -> str:
-    """One compact human-readable line for a log step."""
+def format_duration(seconds: float) -> str:
+    """41 -> '41s', 185 -> '3m05s', 7980 -> '2h13m', 100000 -> '1d03h'."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def format_stdout(step: int, metrics: dict[str, Any], eta_s: float | None = None) -> str:
+    """One compact human-readable line for a log step (with the time left, when given)."""
     parts = [f"step {step:>4d}"]
     known = {
         "loss": lambda v: f"loss {v:.4f}",
@@ -217,7 +233,17 @@ def format_stdout(step: int, metrics: dict[str, Any]) -> str:
     for key, value in metrics.items():
         if key not in shown and value is not None:
             parts.append(f"{key} {_format_value(value)}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def _keep_through(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl without the rows after `step` (a resumed run re-logs those steps)."""
+    kept = [row for row in read_metrics(path) if int(row.get("step", 0)) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+    tmp.replace(path)
 
 
 class MetricsLogger:
@@ -229,6 +255,11 @@ class MetricsLogger:
     ``<dump_folder>/wandb/``. TensorBoard and wandb are imported only when
     enabled. On any rank other than 0 the logger is a no-op: it creates no
     folders, files, output or wandb run.
+
+    ``resume_step``: the run continues after this step. The rows after it are
+    dropped from an existing metrics.jsonl (they are logged again) and a
+    ``{"event": "resume", "step": N}`` row is written, so no step appears twice;
+    TensorBoard purges its events after it. None appends as is.
     """
 
     def __init__(
@@ -245,6 +276,7 @@ class MetricsLogger:
         wandb_run_name: str | None = None,
         wandb_mode: str = "online",
         config: dict | None = None,
+        resume_step: int | None = None,
     ) -> None:
         if wandb_mode not in ("online", "offline", "disabled"):
             raise ValueError(f"metrics.wandb_mode must be 'online', 'offline' or 'disabled', got {wandb_mode!r}")
@@ -262,25 +294,32 @@ class MetricsLogger:
             self.dump_folder.mkdir(parents=True, exist_ok=True)
         try:
             if jsonl:
-                # Append so a resumed run continues the same file.
-                self._jsonl_file = open(self.dump_folder / "metrics.jsonl", "a", encoding="utf-8")
+                self._jsonl_file = self._open_jsonl(resume_step)
             if tensorboard:
-                self._tb_writer = self._open_tensorboard(config)
+                self._tb_writer = self._open_tensorboard(config, resume_step)
             if wandb:
                 self._wandb_run = self._open_wandb(wandb_project, wandb_entity, wandb_run_name, wandb_mode, config)
         except BaseException:
             self.close()  # don't leak the sinks that did open
             raise
 
-    def _open_tensorboard(self, config: dict | None):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError(
-                "metrics.tensorboard is enabled but the tensorboard package is missing: "
-                "pip install tensorboard (or set metrics.tensorboard = false)"
-            ) from e
-        writer = SummaryWriter(log_dir=str(self.dump_folder / "tb"))
+    def _open_jsonl(self, resume_step: int | None):
+        path = self.dump_folder / METRICS_NAME
+        resumed = resume_step is not None and path.is_file()
+        if resumed:
+            _keep_through(path, resume_step)
+        f = open(path, "a", encoding="utf-8")  # append: a resumed run continues its own file
+        if resumed:
+            f.write(json.dumps({"event": "resume", "step": resume_step}) + "\n")
+            f.flush()
+        return f
+
+    def _open_tensorboard(self, config: dict | None, resume_step: int | None):
+        tensorboard = import_optional(
+            "torch.utils.tensorboard", "tensorboard", "metrics.tensorboard = true", "tensorboard"
+        )
+        purge = None if resume_step is None else resume_step + 1  # events after the resumed step are stale
+        writer = tensorboard.SummaryWriter(log_dir=str(self.dump_folder / "tb"), purge_step=purge)
         if config is not None:
             # Indented block so TensorBoard's markdown renders it verbatim.
             text = json.dumps(config, indent=2, default=str)
@@ -288,34 +327,34 @@ class MetricsLogger:
         return writer
 
     def _open_wandb(self, project, entity, name, mode, config):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError(
-                "metrics.wandb is enabled but the wandb package is missing: "
-                "pip install wandb (or set metrics.wandb = false)"
-            ) from e
+        wandb = import_optional("wandb", "wandb", "metrics.wandb = true")
         if mode != "online":
             # wandb.init(mode=...) only affects the run; wandb's own telemetry
             # reads the process-wide settings and (wandb 0.31) still phones home
             # from an "offline" run unless the global mode says offline too.
             wandb.setup(settings=wandb.Settings(mode=mode))
-        return wandb.init(
-            project=project,
-            entity=entity,
-            name=name,
-            mode=mode,
-            dir=str(self.dump_folder),
-            config=config,
-        )
+        try:
+            return wandb.init(
+                project=project,
+                entity=entity,
+                name=name,
+                mode=mode,
+                dir=str(self.dump_folder),
+                config=config,
+            )
+        except wandb.errors.UsageError as e:  # online without credentials
+            raise InputError(
+                f"metrics.wandb_mode = 'online' but wandb cannot log in ({e}): run `wandb login` (or set "
+                "WANDB_API_KEY), or set metrics.wandb_mode = 'offline' to write the run under the dump folder"
+            ) from None
 
-    def log(self, step: int, metrics: dict[str, float | None]) -> None:
-        """Write ``metrics`` for ``step`` to every enabled sink."""
+    def log(self, step: int, metrics: dict[str, float | None], eta_s: float | None = None) -> None:
+        """Write ``metrics`` for ``step`` to every enabled sink (``eta_s``, the time left: stdout only)."""
         if not self.enabled:
             return
         metrics = {k: _scalar(v) for k, v in metrics.items()}
         if self._stdout:
-            print(format_stdout(step, metrics), flush=True)
+            print(format_stdout(step, metrics, eta_s), flush=True)
         if self._jsonl_file is not None:
             record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
             self._jsonl_file.write(json.dumps(record) + "\n")

@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules (ATMA.md section 6).
+"""Optimizers and learning-rate schedules (docs/model.md section 6).
 
 Muon takes every >=2-D weight inside the blocks (Newton-Schulz on the whole matrix); AdamW takes
 the rest in three groups: the embedding, the LM head, and every 1-D parameter (norms, biases,

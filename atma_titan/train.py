@@ -3,46 +3,70 @@
     python -m atma_titan.train --config train_configs/X.toml [--section.key value ...]
     torchrun --nproc_per_node=8 -m atma_titan.train --config train_configs/X.toml
 
-Reads top to bottom: config -> process groups -> model (meta device) -> AC + compile + FSDP2 ->
-materialise + initial weights -> optimizers -> resume -> data -> loop(micro-batches -> clip ->
-step -> metrics -> checkpoint) -> DONE marker.
+Reads top to bottom in four parts:
+
+- the start: what the run folder holds (a finished run, a checkpoint to resume, another run);
+- `setup`: run folder -> metric sinks -> data -> model (meta device, AC + compile + FSDP2,
+  materialised, initial weights) -> optimizers -> resume -> loader, all held by one `Run`;
+- `train_step`: micro-batches forward/backward -> clip -> one all-reduce -> NaN policy -> optimizer step;
+- `after_step`: validation -> metrics line -> checkpoint -> stop request; then `finish` (DONE, export,
+  the summary).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
-import signal
 import sys
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from atma_titan.checkpoint import CheckpointManager, export_safetensors, load_model_only, model_state, optimizer_state
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.data import TrainData
-from atma_titan.data.documents import DataSourceError
-from atma_titan.data.shards import ShardError
-from atma_titan.data.tokenizer import TokenizerError
-from atma_titan.metrics import MetricsLogger, Throughput, device_memory_gib, flops_per_token, peak_flops
-from atma_titan.models import ATMA, parameter_breakdown, resolve_model_args
+from atma_titan.device import resolve_device
+from atma_titan.errors import InputError
+from atma_titan.faults import FaultInjector
+from atma_titan.known_warnings import silence_known_warnings
+from atma_titan.metrics import (
+    MetricsLogger,
+    Throughput,
+    device_memory_gib,
+    flops_per_token,
+    format_duration,
+    peak_flops,
+)
+from atma_titan.models import ATMA, ModelArgs, build_model, initial_weights, parameter_breakdown, resolve_model_args
 from atma_titan.models.atma import non_embedding_params
-from atma_titan.optim import LRSchedules, build_optimizers
-from atma_titan.parallel import ParallelDims, all_reduce_sum, destroy_distributed, init_distributed, parallelize
+from atma_titan.optim import LRSchedules, Optimizers, build_optimizers
+from atma_titan.parallel import (
+    LaunchEnv,
+    ParallelDims,
+    all_reduce_sum,
+    destroy_distributed,
+    init_distributed,
+    parallelize,
+)
 from atma_titan.preemption import StopRequest
 from atma_titan.profiling import StepProfiler
+from atma_titan.run_folder import RunFolder, step_dir
 from atma_titan.validation import Validator
-
-DONE_MARKER = "DONE"
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """A NaN/Inf loss or gradient under training.nan_policy = 'abort' (exit status 3)."""
+
+
+class ExportError(RuntimeError):
+    """Training finished (DONE is written) but the weight export failed (exit status 1; a re-run retries it)."""
 
 
 @dataclass
@@ -61,14 +85,52 @@ class TrainState:
             setattr(self, key, int(value))
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("'training.device' = 'cuda' but no CUDA device is available; use auto or cpu.")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device(name)
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's global batch is cut: sequences, ranks, micro-batches."""
+
+    global_batch: int  # sequences per step, all ranks
+    accum: int  # micro-batches per step on each rank
+    micro_batch: int
+    seq_len: int
+    dp_degree: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @classmethod
+    def of(cls, t, dp_degree: int) -> BatchPlan:
+        """From the [training] section; every rank must get whole micro-batches."""
+        global_batch = t.batch_tokens // t.seq_len
+        per_round = t.micro_batch_size * dp_degree
+        if global_batch % per_round:
+            raise ConfigError(
+                f"'training.batch_tokens' = {t.batch_tokens} is {global_batch} sequences of {t.seq_len}, which is "
+                f"not a multiple of training.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks "
+                f"({dp_degree}) = {per_round}: every rank must get whole micro-batches."
+            )
+        return cls(global_batch, global_batch // per_round, t.micro_batch_size, t.seq_len, dp_degree)
+
+    def describe(self) -> str:
+        return (
+            f"{self.global_batch} x {self.seq_len} = {self.tokens_per_step:,} tokens a step "
+            f"({self.accum} micro-batch{'es' if self.accum > 1 else ''} of {self.micro_batch} on each of "
+            f"{self.dp_degree} rank{'s' if self.dp_degree > 1 else ''})"
+        )
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    aux: float
+    grad_norm: float
+    lr: float
+    stop: bool  # some rank was asked to stop (SIGTERM / SIGUSR1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces the step and the set-up use
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -82,60 +144,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def initial_state_dict(cfg: JobConfig) -> dict:
-    """The initial weights, made on the CPU from the seed alone: identical at any world size and on any device."""
-    model = ATMA(resolve_model_args(cfg.model))
-    torch.manual_seed(cfg.job.seed)
-    model.init_weights()
-    return model.state_dict()
-
-
-def build_model(
-    cfg: JobConfig, device: torch.device, dims: ParallelDims | None = None, initialise: bool = True
-) -> ATMA:
-    """Build on the meta device, apply AC / compile / FSDP2, materialise on `device`, load the initial weights.
-
-    `initialise=False` leaves the parameters uninitialised, for a caller that loads every one of them
-    from a checkpoint next (computing the initial weights costs a full CPU copy of the model).
-    """
-    dims = dims or ParallelDims(1, 0, 0, 1, 1)
-    with torch.device("meta"):
-        model = ATMA(resolve_model_args(cfg.model))
-    fsdp_bf16 = device.type == "cuda" and cfg.training.mixed_precision == "bf16"
-    parallelize(
-        model,
-        dims,
-        ac_mode=cfg.activation_checkpoint.mode,
-        ac_every_n=cfg.activation_checkpoint.every_n,
-        compile=cfg.training.compile,
-        compile_backend=cfg.training.compile_backend,
-        param_dtype=torch.bfloat16 if fsdp_bf16 else None,
-        reshard_after_forward=cfg.parallelism.reshard_after_forward,
-    )
-    model.to_empty(device=device)
-    if initialise:
-        set_model_state_dict(model, initial_state_dict(cfg), options=StateDictOptions(full_state_dict=True))
-    return model
-
-
-def print_parameters(model: ATMA) -> None:
-    total = sum(p.numel() for p in model.parameters())
-    print(f"parameters: {total:,}")
-    for name, count in parameter_breakdown(model).items():
-        print(f"  {name:<17} {count:>14,}")
-
-
-def gradient_accumulation(cfg: JobConfig, dp_degree: int) -> tuple[int, int]:
-    """(global batch in sequences, micro-batches per step on each rank)."""
-    t = cfg.training
-    global_batch = t.batch_tokens // t.seq_len
-    per_step = t.micro_batch_size * dp_degree
-    if global_batch % per_step:
-        raise ConfigError(
-            f"'training.batch_tokens' = {t.batch_tokens} is {global_batch} sequences of {t.seq_len}, which is not a "
-            f"multiple of training.micro_batch_size ({t.micro_batch_size}) x data-parallel ranks ({dp_degree}) "
-            f"= {per_step}."
-        )
-    return global_batch, global_batch // per_step
+    """The initial weights of the run `cfg` describes (from its job.seed; identical at any world size)."""
+    return initial_weights(resolve_model_args(cfg.model), cfg.job.seed)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,117 +182,211 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def train(cfg: JobConfig) -> dict:
-    """Run the job described by `cfg`; returns the last logged metrics."""
-    device = pick_device(cfg.training.device)
-    try:
-        dims = init_distributed(cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, device.type)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        return _train(cfg, device, dims)
-    finally:
-        destroy_distributed()
+def folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
 
 
-def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
-    main_rank = dims.is_main
-    say = print if main_rank else (lambda *a, **k: None)
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def print_parameters(model: ATMA) -> None:
+    print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
+    for name, count in parameter_breakdown(model).items():
+        print(f"  {name:<17} {count:>14,}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The start: what the run folder already holds
+
+
+@dataclass(frozen=True)
+class Start:
+    folder: RunFolder
+    resume_step: int | None  # this run's own checkpoint to resume from
+    complete_at: int | None = None  # the run is finished at this step: nothing to do
+
+
+def read_start(cfg: JobConfig) -> Start:
+    """A finished run, a resume of this folder's run, a restart of it, or a new run in an empty folder.
+
+    Refuses (InputError) a folder that holds another run this job would not resume.
+    """
+    ck = cfg.checkpoint
+    folder = RunFolder(Path(cfg.job.dump_folder), ck.folder)
+    resume_step = None
+    if ck.enable and ck.resume:
+        resume_step = ck.load_step if ck.load_step >= 0 else folder.latest_checkpoint_step()
+    done = folder.done_step()
+    same_run = resume_step is not None or _saved_config(folder) == cfg.to_toml()
+    if done is not None and done >= cfg.training.steps and same_run:
+        if not ck.export_safetensors or folder.safetensors.is_file():
+            return Start(folder, resume_step, complete_at=done)
+        if resume_step is None:
+            raise InputError(
+                f"{folder.path} is a run complete at step {done} without {folder.safetensors.name} and without a "
+                "checkpoint to export it from (checkpoint.enable was false); remove the folder to train it again"
+            )
+        return Start(folder, resume_step)  # resume the final checkpoint: zero steps, then the export
+    if not same_run:
+        _check_unclaimed(folder)
+    return Start(folder, resume_step)
+
+
+def _saved_config(folder: RunFolder) -> str | None:
+    return folder.config.read_text() if folder.config.is_file() else None
+
+
+def _check_unclaimed(folder: RunFolder) -> None:
+    """A new run may not start in a folder that holds another run's metrics or DONE marker."""
+    steps = [row["step"] for row in folder.logged_steps()]
+    if not steps and folder.done_step() is None:
+        return
+    held = f"metrics.jsonl has steps {steps[0]}..{steps[-1]}" if steps else f"DONE at step {folder.done_step()}"
+    raise InputError(
+        f"job.dump_folder {folder.path} holds another run ({held}, config.toml differs) and no checkpoint of it "
+        "to resume; choose another job.dump_folder, or remove that folder to start over"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up
+
+
+@dataclass
+class Run:
+    """Everything one training run holds; `with` closes its sinks, signal handlers and checkpointer."""
+
+    cfg: JobConfig
+    args: ModelArgs
+    dims: ParallelDims
+    device: torch.device
+    folder: RunFolder
+    plan: BatchPlan
+    logger: MetricsLogger
+    model: ATMA
+    optimizers: Optimizers
+    schedules: LRSchedules
+    state: TrainState
+    checkpointer: CheckpointManager
+    job_state: dict
+    say: Callable[..., None]
+    began: float
+    loader: object = None
+    batches: Iterator | None = None
+    loss_fn: Callable = cross_entropy_sum
+    use_autocast: bool = False
+    throughput: Throughput | None = None
+    validator: Validator | None = None
+    stop: StopRequest = field(default_factory=StopRequest)
+    faults: FaultInjector | None = None
+    profiler: StepProfiler | None = None
+    first_step: int = 1
+    first_step_done_at: float = 0.0
+    saved_step: int | None = None
+    last: dict = field(default_factory=dict)
+    exits: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.exits.close()
+
+
+def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, dims: ParallelDims) -> Run:
+    """Open the run folder's sinks and data, build model and optimizers, resume, open the loader."""
+    say = print_flush if dims.is_main else (lambda *a, **k: None)
+    began = time.perf_counter()
     seed_everything(cfg.job.seed, cfg.job.deterministic)
-    dump = Path(cfg.job.dump_folder)
+    plan = BatchPlan.of(cfg.training, dims.dp_degree)
+    folder = start.folder
+    if dims.is_main:
+        prepare_folder(cfg, folder)
+    with contextlib.ExitStack() as exits:  # closes what is already open if the set-up fails
+        resumed_from = start.resume_step if start.resume_step is not None else (0 if folder.metrics.is_file() else None)
+        logger = exits.enter_context(open_logger(cfg, dims, folder, resumed_from))  # wandb fails here, before the build
+        data = TrainData(cfg.data, args.vocab_size)  # a bad file or tokenizer fails before the model is built
+        checkpointer = open_checkpointer(cfg, dims, folder, say)
+        exits.callback(checkpointer.close)
+        loads_weights = start.resume_step is not None or bool(cfg.checkpoint.load_path)
+        seed = None if loads_weights else cfg.job.seed  # a checkpoint sets every weight: skip the initial ones
+        model = build_model(args, device, parallel=parallel_plan(cfg, dims, device), seed=seed)
+        optimizers = build_optimizers(model, cfg.optimizer)
+        schedules = LRSchedules(optimizers, cfg.lr_scheduler, cfg.training.steps)
+        state = TrainState()
+        job_state = {
+            "model": model_state(model),
+            "optimizer": optimizer_state(model, optimizers.optimizers),
+            "lr_scheduler": schedules,
+            "train_state": state,
+        }
+        run = Run(
+            cfg=cfg, args=args, dims=dims, device=device, folder=folder, plan=plan, logger=logger, model=model,
+            optimizers=optimizers, schedules=schedules, state=state, checkpointer=checkpointer, job_state=job_state,
+            say=say, began=began, exits=exits,
+        )  # fmt: skip
+        say_header(run)
+        open_loader(run, data, restore(run, start))
+        prepare_step(run)
+        run.exits = exits.pop_all()  # from here on the Run closes them
+    return run
 
-    if cfg.job.dry_run:
-        with torch.device("meta"):
-            model = ATMA(resolve_model_args(cfg.model))
-        if main_rank:
-            print_parameters(model)
-        return {}
 
-    global_batch, accum = gradient_accumulation(cfg, dims.dp_degree)
-    if main_rank:
-        dump.mkdir(parents=True, exist_ok=True)
-        (dump / "config.toml").write_text(cfg.to_toml())
-        (dump / DONE_MARKER).unlink(missing_ok=True)
-        if cfg.job.print_config:
-            print(cfg.to_toml())
+def prepare_folder(cfg: JobConfig, folder: RunFolder) -> None:
+    """Rank 0: the folder, the resolved config, and no DONE when a finished run is being extended."""
+    folder.path.mkdir(parents=True, exist_ok=True)
+    folder.config.write_text(cfg.to_toml())
+    done = folder.done_step()
+    if done is not None and done < cfg.training.steps:
+        folder.done.unlink()
+    if cfg.job.print_config:
+        print(cfg.to_toml(), flush=True)
 
-    try:  # open and check the data first: a missing file should not cost a model build
-        data = TrainData(cfg.data, resolve_model_args(cfg.model).vocab_size)
-    except ValueError as e:  # the message names the file, key or value and what is allowed
-        raise ConfigError(str(e)) from None
-    # Resume: the run's own newest checkpoint, else an explicit starting point (load_path).
-    ckpt_cfg = cfg.checkpoint
-    checkpointer = CheckpointManager(
-        dump / ckpt_cfg.folder,
-        keep_latest_k=ckpt_cfg.keep_latest_k,
-        async_save=ckpt_cfg.async_save,
+
+def open_checkpointer(cfg: JobConfig, dims: ParallelDims, folder: RunFolder, say: Callable) -> CheckpointManager:
+    ck = cfg.checkpoint
+
+    def saved(step: int, path: Path, seconds: float) -> None:
+        say(f"checkpoint step {step} saved: {path} ({format_bytes(folder_size(path))}, {seconds:.1f} s)")
+
+    return CheckpointManager(
+        folder.checkpoints,
+        keep_latest_k=ck.keep_latest_k,
+        async_save=ck.async_save,
         rank=dims.rank,
         world_size=dims.world_size,
+        on_saved=saved,
     )
-    resume_step = ckpt_cfg.load_step if ckpt_cfg.load_step >= 0 else checkpointer.latest_step()
-    resuming = ckpt_cfg.enable and ckpt_cfg.resume and resume_step is not None
-    # A loaded checkpoint sets every weight: the initial weights need not be computed then.
-    model = build_model(cfg, device, dims, initialise=not (resuming or ckpt_cfg.load_path))
-    args = model.args
-    if main_rank:
-        print_parameters(model)
-    optimizers = build_optimizers(model, cfg.optimizer)
-    schedules = LRSchedules(optimizers, cfg.lr_scheduler, cfg.training.steps)
-    train_state = TrainState()
-    job_state = {
-        "model": model_state(model),
-        "optimizer": optimizer_state(model, optimizers.optimizers),
-        "lr_scheduler": schedules,
-        "train_state": train_state,
-    }
-    rank_state = None
-    if resuming:
-        rank_state = checkpointer.load(job_state, step=resume_step)
-        say(f"resumed from {checkpointer.checkpoint_dir(resume_step)} at step {train_state.step}")
-    elif ckpt_cfg.load_path:
-        if ckpt_cfg.model_only:
-            load_model_only(model, ckpt_cfg.load_path)
-        else:
-            rank_state = checkpointer.load(job_state, path=ckpt_cfg.load_path)
-        say(f"loaded {'model weights' if ckpt_cfg.model_only else 'checkpoint'} from {ckpt_cfg.load_path}")
 
-    loader = data.loader(
-        seq_len=cfg.training.seq_len,
-        global_batch=global_batch,
-        micro_batch=cfg.training.micro_batch_size,
-        rank=dims.dp_rank,
-        world_size=dims.dp_degree,
-        start_window=train_state.windows_consumed,
-        pin_memory=device.type == "cuda",
-    )
-    # Same world size and workers: restore this rank's loader and RNGs exactly. Otherwise a random-access
-    # loader was rebuilt from the global stream position above, the same stream at any world size.
-    if rank_state is not None and rank_state.get("num_workers") == cfg.data.num_workers:
-        loader.load_state_dict(rank_state["loader"])
-        set_rng_state(rank_state["rng"], device)
-    elif train_state.step and not data.random_access:
-        say(
-            f"warning: data.source = '{cfg.data.source}' streams documents per rank and worker; its position cannot "
-            "move to a new world size or worker count, so the stream restarts from its beginning. Use .bin shards "
-            "(python -m atma_titan.data.prepare) for exact resumption at any size."
-        )
-    batches = iter(loader)
 
-    tokens_per_step = global_batch * cfg.training.seq_len
-    loss_fn = cross_entropy_sum
-    if cfg.training.compile:  # fused log-softmax: one (tokens x vocab) buffer fewer
-        loss_fn = torch.compile(cross_entropy_sum, backend=cfg.training.compile_backend)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls of the reference kernels
-    use_autocast = device.type == "cuda" and cfg.training.mixed_precision == "bf16" and not dims.distributed
-    n_attention = sum(args.is_global(i) for i in range(args.n_layers))
-    throughput = Throughput(
-        flops_per_token(non_embedding_params(model), n_attention, args.n_heads, args.head_dim, cfg.training.seq_len),
-        peak_flops(device),
+def print_flush(*args, **kwargs) -> None:
+    print(*args, **kwargs, flush=True)
+
+
+def parallel_plan(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> Callable[[ATMA], None]:
+    """AC -> compile -> FSDP2, as the config asks (FSDP only under torchrun)."""
+    bf16_shards = device.type == "cuda" and cfg.training.mixed_precision == "bf16"
+    return lambda model: parallelize(
+        model,
+        dims,
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_every_n=cfg.activation_checkpoint.every_n,
+        compile=cfg.training.compile,
+        compile_backend=cfg.training.compile_backend,
+        param_dtype=torch.bfloat16 if bf16_shards else None,
+        reshard_after_forward=cfg.parallelism.reshard_after_forward,
     )
+
+
+def open_logger(cfg: JobConfig, dims: ParallelDims, folder: RunFolder, resumed_from: int | None) -> MetricsLogger:
     m = cfg.metrics
-    logger = MetricsLogger(
-        dump_folder=dump,
+    return MetricsLogger(
+        dump_folder=folder.path,
         rank=dims.rank,
         stdout=m.stdout,
         jsonl=m.jsonl,
@@ -290,121 +394,309 @@ def _train(cfg: JobConfig, device: torch.device, dims: ParallelDims) -> dict:
         wandb=m.wandb,
         wandb_project=m.wandb_project,
         wandb_entity=m.wandb_entity,
-        wandb_run_name=m.wandb_run_name or dump.name,
+        wandb_run_name=m.wandb_run_name or folder.path.name,
         wandb_mode=m.wandb_mode,
         config=cfg.to_dict(),
-    )
-    say(
-        f"training steps {train_state.step + 1}..{cfg.training.steps} of {tokens_per_step:,} tokens "
-        f"({accum} micro-batches of {cfg.training.micro_batch_size} x {cfg.training.seq_len} on each of "
-        f"{dims.dp_degree} ranks) on {device}"
+        resume_step=resumed_from,
     )
 
-    def save(step: int) -> None:
-        checkpointer.save(
-            step,
-            job_state,
-            rank_state={"loader": loader.state_dict(), "rng": rng_state(device), "num_workers": cfg.data.num_workers},
+
+def say_header(run: Run) -> None:
+    """The run in three lines: model, batch and length, where its files go."""
+    cfg, args = run.cfg, run.args
+    params = sum(p.numel() for p in run.model.parameters())
+    n_global = sum(args.is_global(i) for i in range(args.n_layers))
+    ranks = f"{run.dims.world_size} rank{'s' if run.dims.world_size > 1 else ''}"
+    run.say(
+        f"atma_titan: {cfg.model.flavor} model, {params:,} parameters ({args.n_layers} blocks, {n_global} global, "
+        f"{args.attention} attention{', memory' if args.memory else ''}) on {run.device}, {ranks}"
+    )
+    total = cfg.training.steps * run.plan.tokens_per_step
+    run.say(f"  batch {run.plan.describe()}; {cfg.training.steps:,} steps = {total:,} tokens")
+    ck = cfg.checkpoint
+    saves = (
+        f"checkpoints every {ck.interval} steps and at the end in {run.folder.checkpoints}"
+        if ck.enable
+        else "no checkpoints"
+    )
+    run.say(f"  run folder {run.folder.path}: {run.folder.config.name}, {run.folder.metrics.name}; {saves}")
+
+
+def restore(run: Run, start: Start) -> dict | None:
+    """Load the run's own checkpoint, or another run's (`checkpoint.load_path`); returns this rank's state."""
+    ck = run.cfg.checkpoint
+    rank_state = None
+    if start.resume_step is not None:
+        rank_state = run.checkpointer.load(run.job_state, step=start.resume_step)
+        run.saved_step = run.state.step
+        run.say(f"resumed from {run.checkpointer.checkpoint_dir(start.resume_step)} at step {run.state.step}")
+    elif ck.load_path:
+        if ck.model_only:
+            load_model_only(run.model, ck.load_path)
+        else:
+            rank_state = run.checkpointer.load(run.job_state, path=ck.load_path)
+        run.say(f"loaded {'model weights' if ck.model_only else 'checkpoint'} from {ck.load_path}")
+    return rank_state
+
+
+def open_loader(run: Run, data: TrainData, rank_state: dict | None) -> None:
+    """This rank's loader at the run's stream position; its exact state and RNGs when the world is unchanged."""
+    cfg, plan = run.cfg, run.plan
+    run.loader = data.loader(
+        seq_len=plan.seq_len,
+        global_batch=plan.global_batch,
+        micro_batch=plan.micro_batch,
+        rank=run.dims.dp_rank,
+        world_size=run.dims.dp_degree,
+        start_window=run.state.windows_consumed,
+        pin_memory=run.device.type == "cuda",
+    )
+    # Otherwise a random-access loader was rebuilt from the global stream position, the same at any world size.
+    if rank_state is not None and rank_state.get("num_workers") == cfg.data.num_workers:
+        run.loader.load_state_dict(rank_state["loader"])
+        set_rng_state(rank_state["rng"], run.device)
+    elif run.state.step and not data.random_access:
+        run.say(
+            f"warning: data.source = '{cfg.data.source}' streams documents per rank and worker; its position cannot "
+            "move to a new world size or worker count, so the stream restarts from its beginning. Use .bin shards "
+            "(python -m atma_titan.data.prepare) for exact resumption at any size."
         )
+    run.batches = iter(run.loader)
 
-    validator = None
-    if cfg.eval.interval:
-        validator = Validator(cfg, args.vocab_size, dims)
 
-    stop = StopRequest().install()
-    profiler = StepProfiler(cfg.profiling, dump, dims.rank, train_state.step + 1, device, say)
-    last: dict = {}
-    saved_step = train_state.step
-    model.train()
+def prepare_step(run: Run) -> None:
+    """The loss function, precision, throughput meter, validator, stop handler, profiler and fault hooks."""
+    cfg, args, dims, device = run.cfg, run.args, run.dims, run.device
+    if cfg.training.compile:  # fused log-softmax: one (tokens x vocab) buffer fewer
+        run.loss_fn = torch.compile(cross_entropy_sum, backend=cfg.training.compile_backend)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls of the reference kernels
+    run.use_autocast = device.type == "cuda" and cfg.training.mixed_precision == "bf16" and not dims.distributed
+    n_attention = sum(args.is_global(i) for i in range(args.n_layers))
+    flops = flops_per_token(non_embedding_params(run.model), n_attention, args.n_heads, args.head_dim, run.plan.seq_len)
+    run.throughput = Throughput(flops, peak_flops(device))
+    run.validator = Validator(cfg, args.vocab_size, dims) if cfg.eval.interval else None
+    run.stop.install()
+    run.exits.callback(run.stop.uninstall)
+    run.first_step = run.state.step + 1
+    run.profiler = run.exits.enter_context(
+        StepProfiler(cfg.profiling, run.folder.path, dims.rank, run.first_step, device, run.say)
+    )
+    run.faults = FaultInjector(cfg.debug, dims.rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# One optimizer step
+
+
+def train_step(run: Run) -> StepStats:
+    """Forward/backward over this rank's micro-batches, clip, reduce the loss, apply the NaN policy, step."""
+    step, plan, device, dims = run.state.step + 1, run.plan, run.device, run.dims
+    loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)
+    for micro in range(plan.accum):
+        inputs, labels, *weights = (t.to(device, non_blocking=True) for t in next(run.batches))
+        if dims.distributed:  # reduce-scatter gradients once, after the last micro-batch
+            run.model.set_requires_gradient_sync(micro == plan.accum - 1)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.use_autocast):
+            logits, aux = run.model(inputs, return_aux=True)
+        # sum CE / tokens of the whole global batch: micro-batches and ranks add up to the mean.
+        loss = run.faults.loss(step, run.loss_fn(logits, labels, *weights) / plan.tokens_per_step)
+        share = plan.accum * plan.dp_degree
+        total = loss if aux is None else loss + aux / share
+        # FSDP averages gradients over ranks; the loss is already a global sum, so undo that.
+        (total * plan.dp_degree).backward()
+        loss_sum += loss.detach()
+        if aux is not None:
+            aux_sum += aux.detach() / share
+    run.faults.after_backward(step)
+    grad_norm = clip_gradients(run.model, run.cfg.training.max_norm).item()
+    # One small all-reduce a step: global loss, and whether any rank was asked to stop.
+    flags = torch.stack([loss_sum, aux_sum, torch.tensor(float(run.stop.requested), device=device)])
+    loss_value, aux_value, stop_votes = all_reduce_sum(flags, dims).tolist()
+    apply_update(run, step, loss_value, grad_norm)
+    lr = run.optimizers.param_groups[0]["lr"]
+    run.schedules.step()
+    run.optimizers.zero_grad()
+    run.state.step = step
+    run.state.tokens_seen += plan.tokens_per_step
+    run.state.windows_consumed += plan.global_batch
+    run.throughput.update(plan.tokens_per_step // plan.dp_degree)
+    run.profiler.step()
+    return StepStats(loss_value, aux_value, grad_norm, lr, bool(stop_votes))
+
+
+def apply_update(run: Run, step: int, loss: float, grad_norm: float) -> None:
+    """The optimizer step, unless loss or gradient is not finite: then stop or skip (training.nan_policy)."""
+    if np.isfinite(loss) and np.isfinite(grad_norm):
+        run.optimizers.step()
+    elif run.cfg.training.nan_policy == "abort":
+        kept = (
+            f"the last checkpoint (step {run.saved_step}) is intact"
+            if run.saved_step is not None
+            else "no checkpoint was saved"
+        )
+        raise NonFiniteLoss(
+            f"loss is {loss} (grad norm {grad_norm}) at step {step}; stopping, {kept}. Lower the learning rate, "
+            "or set training.nan_policy = 'skip' to skip such steps."
+        )
+    else:
+        run.say(f"step {step}: loss {loss}, grad norm {grad_norm}: skipping this update")
+
+
+# ---------------------------------------------------------------------------------------------
+# After a step: validation, the metrics line, checkpoints, a stop request
+
+
+def after_step(run: Run, stats: StepStats) -> bool:
+    """Evaluate, log and save as due; True when the run must stop now (a stop was requested)."""
+    cfg, step = run.cfg, run.state.step
+    if step == run.first_step:
+        run.first_step_done_at = time.perf_counter()
+    last_step = step == cfg.training.steps
+    evaluated = {}
+    if run.validator and (step % cfg.eval.interval == 0 or last_step):
+        evaluated = run.validator.run(run.model, run.device)
+    if step == run.first_step or step % cfg.metrics.log_freq == 0 or last_step or stats.stop or evaluated:
+        log_step(run, stats, evaluated)
+    ck = cfg.checkpoint
+    if ck.enable and (step % ck.interval == 0 or last_step or stats.stop):
+        run.checkpointer.save(step, run.job_state, rank_state=rank_private_state(run))
+        run.saved_step = step
+    return stats.stop
+
+
+def log_step(run: Run, stats: StepStats, evaluated: dict) -> None:
+    step = run.state.step
+    run.last = {
+        "step": step,
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm,
+        "lr": stats.lr,
+        **run.throughput.compute(),
+        "memory_gib": device_memory_gib(run.device),
+        **evaluated,
+    }
+    if run.args.distractor_weight > 0:
+        run.last["distractor_loss"] = stats.aux
+    run.logger.log(step, {k: v for k, v in run.last.items() if k != "step"}, eta_s=eta_seconds(run))
+
+
+def eta_seconds(run: Run) -> float | None:
+    """Time left at the pace since the first step of this process (which compiles and warms up)."""
+    done, left = run.state.step - run.first_step, run.cfg.training.steps - run.state.step
+    if done < 1 or left < 1:
+        return None
+    per_step = (time.perf_counter() - run.first_step_done_at) / done
+    return per_step * left
+
+
+def rank_private_state(run: Run) -> dict:
+    return {"loader": run.loader.state_dict(), "rng": rng_state(run.device), "num_workers": run.cfg.data.num_workers}
+
+
+# ---------------------------------------------------------------------------------------------
+# The end of a run
+
+
+def finish(run: Run) -> dict:
+    """All steps trained: finish the last save, write DONE, export the weights, print the summary."""
+    run.checkpointer.wait()
+    if run.dims.is_main:
+        run.folder.write_done(run.state.step)
+    if run.cfg.checkpoint.export_safetensors:
+        export_weights(run)
+    say_summary(run, "done")
+    return run.last
+
+
+def export_weights(run: Run) -> None:
+    path, began = run.folder.safetensors, time.perf_counter()
     try:
-        with logger, profiler:
-            while train_state.step < cfg.training.steps:
-                step = train_state.step + 1
-                loss_sum = torch.zeros((), device=device)
-                aux_sum = torch.zeros((), device=device)
-                for micro in range(accum):
-                    inputs, labels, *weights = (t.to(device, non_blocking=True) for t in next(batches))
-                    if dims.distributed:  # reduce-scatter gradients once, after the last micro-batch
-                        model.set_requires_gradient_sync(micro == accum - 1)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                        logits, aux = model(inputs, return_aux=True)
-                    # sum CE / tokens of the whole global batch: micro-batches and ranks add up to the mean.
-                    loss = loss_fn(logits, labels, *weights) / tokens_per_step
-                    if step == cfg.debug.nan_at_step:
-                        loss = loss * float("nan")
-                    total = loss if aux is None else loss + aux / (accum * dims.dp_degree)
-                    # FSDP averages gradients over ranks; the loss is already a global sum, so undo that.
-                    (total * dims.dp_degree).backward()
-                    loss_sum += loss.detach()
-                    if aux is not None:
-                        aux_sum += aux.detach() / (accum * dims.dp_degree)
-                if step == cfg.debug.signal_at_step and dims.rank == cfg.debug.signal_rank:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                grad_norm = clip_gradients(model, cfg.training.max_norm)
-                # One small all-reduce a step: global loss, and whether any rank was asked to stop.
-                stats = all_reduce_sum(
-                    torch.stack([loss_sum, aux_sum, torch.tensor(float(stop.requested), device=device)]), dims
-                ).tolist()
-                loss_value, aux_value, stop_votes = stats[0], stats[1], stats[2]
-                grad_value = grad_norm.item()
+        export_safetensors(run.model, path)
+    except Exception as e:  # the run itself is complete: say so, keep DONE, and let a re-run retry the export
+        raise ExportError(
+            f"training is complete (DONE at step {run.state.step}) but writing {path} failed: {e!r}; "
+            "re-run the same command to retry the export"
+        ) from e
+    if run.dims.is_main:
+        run.say(f"exported {path} ({format_bytes(path.stat().st_size)}, {time.perf_counter() - began:.1f} s)")
 
-                finite = np.isfinite(loss_value) and np.isfinite(grad_value)
-                if finite:
-                    optimizers.step()
-                elif cfg.training.nan_policy == "abort":
-                    raise NonFiniteLoss(
-                        f"loss is {loss_value} (grad norm {grad_value}) at step {step}; stopping. The last "
-                        f"checkpoint (step {saved_step}) is intact. Lower the learning rate, or set "
-                        "training.nan_policy = 'skip' to skip such steps."
-                    )
-                else:
-                    say(f"step {step}: loss {loss_value}, grad norm {grad_value}: skipping this update")
-                lr = optimizers.param_groups[0]["lr"]
-                schedules.step()
-                optimizers.zero_grad()
-                train_state.step = step
-                train_state.tokens_seen += tokens_per_step
-                train_state.windows_consumed += global_batch
-                throughput.update(tokens_per_step // dims.dp_degree)
-                profiler.step()
 
-                evaluated = {}
-                if validator and (step % cfg.eval.interval == 0 or step == cfg.training.steps):
-                    evaluated = validator.run(model, device)
-                if step == 1 or step % m.log_freq == 0 or step == cfg.training.steps or stop_votes or evaluated:
-                    last = {
-                        "step": step,
-                        "loss": loss_value,
-                        "grad_norm": grad_value,
-                        "lr": lr,
-                        **throughput.compute(),
-                        "memory_gib": device_memory_gib(device),
-                        **evaluated,
-                    }
-                    if args.distractor_weight > 0:
-                        last["distractor_loss"] = aux_value
-                    logger.log(step, {k: v for k, v in last.items() if k != "step"})
+def say_summary(run: Run, how: str) -> None:
+    cfg, state = run.cfg, run.state
+    trained = state.step - run.first_step + 1
+    seconds = time.perf_counter() - run.began
+    lines = [
+        f"{how}: step {state.step} of {cfg.training.steps}, {state.tokens_seen:,} tokens seen; this run trained "
+        f"{trained} step{'s' if trained != 1 else ''} in {format_duration(seconds)}"
+    ]
+    if "loss" in run.last:
+        val = f", val loss {run.last['val_loss']:.4f}" if "val_loss" in run.last else ""
+        lines.append(f"  final train loss {run.last['loss']:.4f}{val}")
+    folder = run.folder
+    files = [folder.config.name, folder.metrics.name]
+    if run.saved_step is not None:
+        files.append(str(step_dir(folder.checkpoint_folder, run.saved_step)))
+    if how == "done":
+        files.append(folder.done.name)
+        if folder.safetensors.is_file():
+            files.append(folder.safetensors.name)
+    lines.append(f"  run folder {folder.path}: {', '.join(files)}")
+    for line in lines:
+        run.say(line)
 
-                due = step % ckpt_cfg.interval == 0 or step == cfg.training.steps
-                if ckpt_cfg.enable and (due or stop_votes):
-                    save(step)
-                    saved_step = step
-                if stop_votes:
-                    checkpointer.wait()
-                    say(
-                        f"stopped at step {step} on request; "
-                        + ("checkpoint saved, rerun to resume" if ckpt_cfg.enable else "checkpointing is off")
-                    )
-                    return last
-        checkpointer.wait()
-        if ckpt_cfg.export_safetensors:
-            export_safetensors(model, dump / "model.safetensors")
-        if main_rank:
-            (dump / DONE_MARKER).write_text(f"{train_state.step}\n")
-        return last
+
+# ---------------------------------------------------------------------------------------------
+# The whole job
+
+
+def train(cfg: JobConfig) -> dict:
+    """Run the job described by `cfg`; returns the last logged metrics."""
+    env = LaunchEnv.from_environ()
+    device = resolve_device(cfg.training.device, env.local_rank, what="'training.device'")
+    dims = init_distributed(env, cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, device.type)
+    try:
+        args = resolve_model_args(cfg.model)
+        if cfg.job.dry_run:
+            if dims.is_main:
+                with torch.device("meta"):
+                    print_parameters(ATMA(args))
+            return {}
+        start = read_start(cfg)
+        if start.complete_at is not None:
+            if dims.is_main:
+                print(f"{start.folder.path} is already complete at step {start.complete_at}: nothing to do", flush=True)
+            return {}
+        with setup(cfg, args, start, device, dims) as run:
+            return run_loop(run)
     finally:
-        stop.uninstall()
-        checkpointer.close()
+        destroy_distributed()
+
+
+def run_loop(run: Run) -> dict:
+    steps = run.cfg.training.steps
+    if run.state.step >= steps:
+        run.say(f"step {run.state.step} = training.steps: nothing left to train")
+    else:
+        run.say(f"training steps {run.state.step + 1}..{steps}")
+    run.model.train()
+    while run.state.step < steps:
+        if after_step(run, train_step(run)):
+            run.checkpointer.wait()
+            say_stopped(run)
+            return run.last
+    return finish(run)
+
+
+def say_stopped(run: Run) -> None:
+    saved = (
+        f"checkpoint step {run.saved_step} saved; run the same command to resume"
+        if run.cfg.checkpoint.enable
+        else "checkpointing is off, nothing was saved"
+    )
+    run.say(f"stopped at step {run.state.step} on request ({run.stop.received}): {saved}")
+    say_summary(run, "stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,14 +704,18 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
+    silence_known_warnings()
     try:
         train(load_config(argv))
-    except (ConfigError, ShardError, DataSourceError, TokenizerError) as e:  # bad input: the message says what
+    except InputError as e:  # bad input: the message says what
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -186,7 +186,7 @@ def _bandwidths(rows: list[dict], state_bytes: int) -> None:
 
 def sweep_step(args) -> list[dict]:
     """The Triton step inside a CUDA graph for each rows-per-program x warps (defaults restored after)."""
-    from atma_titan.kernels.gated_delta import step
+    from atma_titan.kernels.gated_delta import triton_step as step
 
     d = decode_setup(args)
     pool, slot_sets, token = d["pool"], d["slot_sets"], d["token"]
@@ -224,7 +224,8 @@ def print_resources(args) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from atma_titan.kernels.gated_delta import chunked, step
+    from atma_titan.kernels.gated_delta import triton_chunked as chunked
+    from atma_titan.kernels.gated_delta import triton_step as step
 
     dk, dv = args.key_dim, args.value_dim
     bk = chunked._block(dk)
@@ -351,7 +352,7 @@ def main() -> None:
     import triton
 
     from atma_titan.kernels.backends import autotune_choices
-    from atma_titan.kernels.gated_delta import chunked as chunked_kernels
+    from atma_titan.kernels.gated_delta import triton_chunked as chunked_kernels
 
     result = {
         "gpu": torch.cuda.get_device_name(),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atma_titan.kernels.polar import polar_attention, polar_attention_triton  # noqa: E402
+from atma_titan.kernels.polar import polar_attention_reference, polar_attention_triton  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 BATCH = {2048: 16, 8192: 4, 32768: 1, 65536: 1}
@@ -46,7 +46,7 @@ def make_inputs(b: int, t: int, device: str = "cuda", dtype=torch.bfloat16):
     q = randn(b, t, HEADS, HEAD_DIM)
     k = randn(b, t, KV_HEADS, HEAD_DIM)
     v = randn(b, t, KV_HEADS, HEAD_DIM)
-    # per-head parameters near their initial values (ATMA.md section 3), fp32 as the model keeps them
+    # per-head parameters near their initial values (docs/model.md section 3), fp32 as the model keeps them
     params = [
         -1.0 + 0.1 * randn(HEADS, dt=torch.float32),
         2.0 + 0.1 * randn(HEADS, dt=torch.float32),
@@ -157,7 +157,7 @@ def run_backend(name, b, t, rep):
     elif name == "compiled":
         fwd, fwd_bwd, leaves = polar_case(torch.compile(polar_attention_triton, fullgraph=True), b, t)
     elif name == "polar_reference":
-        fwd, fwd_bwd, leaves = polar_case(polar_attention, b, t, block_q=512, block_k=512)
+        fwd, fwd_bwd, leaves = polar_case(polar_attention_reference, b, t, block_q=512, block_k=512)
     else:
         fwd, fwd_bwd, leaves, note = sdpa_case(name.removeprefix("sdpa_"), b, t)
     flops = causal_flops(b, t)
@@ -178,7 +178,7 @@ def check_against_reference(t: int) -> float:
     inputs = [x.detach() for x in make_inputs(1, t)]
     with torch.no_grad():
         c, _ = polar_attention_triton(*inputs)
-        c_ref, _ = polar_attention(*[x.float() for x in inputs], block_q=512, block_k=512)
+        c_ref, _ = polar_attention_reference(*[x.float() for x in inputs], block_q=512, block_k=512)
     return (c.float() - c_ref).abs().max().item()
 
 
@@ -255,7 +255,7 @@ def main() -> None:
     import triton
 
     from atma_titan.kernels.backends import autotune_choices
-    from atma_titan.kernels.polar import triton_kernels
+    from atma_titan.kernels.polar import triton_attention
 
     record = {
         "gpu": gpu,
@@ -264,7 +264,7 @@ def main() -> None:
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "causal": True},
         "flops": "4*B*H*T^2*D/2 forward, x3.5 forward+backward",
         "results": rows,
-        "autotune_choices": autotune_choices(triton_kernels),
+        "autotune_choices": autotune_choices(triton_attention),
     }
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")

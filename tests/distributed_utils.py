@@ -51,4 +51,4 @@ def run_trainer(nproc: int, *args: str, timeout: int = 300) -> subprocess.Comple
 
 def losses(folder: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}  # a resumed run appends; later rows win
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # a resumed run appends; later rows win

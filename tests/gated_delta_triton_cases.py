@@ -9,9 +9,9 @@ Dv block of 16 covers several Dv blocks, T = 70 and 130 cover ragged tail chunks
 
 Every kernel launched here runs under a bounds check (the interpreter itself reads and writes host
 memory unchecked): each masked-in address of every tl.load / tl.store must lie inside one of the
-launch's tensor arguments. The GPU's own block sizes (BV from chunked.GPU_BLOCK_VALUES, BK and the
-prepare kernel's Dv block padded to chunked.MIN_DOT_BLOCK = 64) are run too, at Dk != Dv, Dv < BV
-and BV not dividing Dv, which the interpreter's default first config (BV = 16) never reaches.
+launch's tensor arguments. The GPU's own block sizes (BV from triton_chunked.GPU_BLOCK_VALUES, BK and
+the prepare kernel's Dv block padded to triton_chunked.MIN_DOT_BLOCK = 64) are run too, at Dk != Dv,
+Dv < BV and BV not dividing Dv, which the interpreter's default first config (BV = 16) never reaches.
 """
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_gated_delta_reference import random_inputs
-
-from atma_titan.kernels.gated_delta import (
-    gated_delta_chunked,
-    gated_delta_chunked_triton,
-    gated_delta_recurrent,
-    gated_delta_step_,
+from helpers import (
+    F64,
+    NAMES,
+    assert_relative_close,
+    cast,
+    compare_to_float64,
+    exact_step,
+    random_inputs,
+    random_step,
 )
-from atma_titan.kernels.gated_delta.reference import gated_delta_step, gated_delta_step_inplace
 
-F64 = torch.float64
-NAMES = ("q", "k", "v", "log_gamma", "beta", "initial_state")
+from atma_titan.kernels.gated_delta import gated_delta_chunked_triton, gated_delta_step_
+from atma_titan.kernels.gated_delta.reference import gated_delta_step_inplace
+
 interpreter_only = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 set before triton is imported"
 )
@@ -106,58 +108,6 @@ def _bounds_checked():
         yield
 
 
-def cast(inputs, dtype):
-    """q, k, v in dtype; gates and the initial state in float32 (as the model feeds them)."""
-    out = {}
-    for name, x in inputs.items():
-        if x is not None:
-            x = x.to(dtype if name in ("q", "k", "v") else torch.float32)
-        out[name] = x
-    return out
-
-
-def outputs_and_grads(fn, inputs, r_weight, state_weight, **kwargs):
-    """(r, final_state, {name: grad}) of loss = <r, r_weight> + <final_state, state_weight>."""
-    leaves = {name: x.detach().clone().requires_grad_(True) for name, x in inputs.items() if x is not None}
-    args = {name: leaves.get(name) for name in NAMES}
-    r, state = fn(**args, **kwargs)
-    loss = (r.to(F64) * r_weight).sum() + (state.to(F64) * state_weight).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    return r, state, dict(zip(leaves, grads))
-
-
-def compare_to_float64(fn, inputs, dtype, tol, seed=1, **kwargs):
-    """Run fn on inputs rounded to dtype and the float64 recurrence on the same rounded values."""
-    low = cast(inputs, dtype)
-    exact = {name: None if x is None else x.to(F64) for name, x in low.items()}
-    gen = torch.Generator().manual_seed(seed)
-    batch, seq_len, heads, value_dim = inputs["v"].shape
-    key_dim = inputs["k"].shape[-1]
-    device = inputs["v"].device
-    r_weight = torch.randn(batch, seq_len, heads, value_dim, generator=gen, dtype=F64).to(device)
-    state_weight = torch.randn(batch, heads, value_dim, key_dim, generator=gen, dtype=F64).to(device)
-    reference = gated_delta_recurrent if seq_len <= 256 else gated_delta_chunked
-    r_ref, state_ref, grads_ref = outputs_and_grads(reference, exact, r_weight, state_weight, **kwargs)
-    r, state, grads = outputs_and_grads(fn, low, r_weight, state_weight, **kwargs)
-    assert r.dtype == dtype and r.shape == r_ref.shape
-    assert state.dtype == torch.float32 and state.shape == state_ref.shape
-    assert_relative_close(r, r_ref, tol, "r")
-    assert_relative_close(state, state_ref, tol, "final_state")
-    assert set(grads) == set(grads_ref)
-    for name in grads_ref:
-        assert grads[name].dtype == low[name].dtype, name
-        assert_relative_close(grads[name], grads_ref[name], tol, f"d{name}")
-
-
-def assert_relative_close(actual, expected, tol, name):
-    """Worst absolute error against the largest reference entry: fails on a wrong element anywhere."""
-    actual, expected = actual.to(F64), expected.to(F64)
-    assert torch.isfinite(actual).all(), f"{name} has non-finite values"
-    error = (actual - expected).abs().max().item()
-    scale = max(expected.abs().max().item(), 1e-3)
-    assert error <= tol * scale, f"{name}: max error {error:.3e} > {tol:.1e} x {scale:.3e}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Chunked kernels: outputs, final state and every gradient against the float64 recurrence
 
@@ -217,7 +167,7 @@ def test_chunked_kernel_on_empty_sequence_returns_initial_state():
 
 def _gpu_block_choices():
     """One (sequential, parallel, grad) BV triple per position of the longest GPU list."""
-    from atma_titan.kernels.gated_delta.chunked import GPU_BLOCK_VALUES as bvs
+    from atma_titan.kernels.gated_delta.triton_chunked import GPU_BLOCK_VALUES as bvs
 
     longest = max(len(v) for v in bvs.values())
     return [
@@ -227,9 +177,9 @@ def _gpu_block_choices():
 
 
 def _chunked_module():
-    from atma_titan.kernels.gated_delta import chunked
+    from atma_titan.kernels.gated_delta import triton_chunked
 
-    return chunked
+    return triton_chunked
 
 
 @interpreter_only
@@ -283,24 +233,6 @@ def test_chunked_kernel_with_gpu_blocks(monkeypatch, blocks, seq_len, key_dim, v
 
 # ---------------------------------------------------------------------------------------------
 # Decode step
-
-
-def random_step(batch, heads, key_dim, value_dim, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "q": torch.randn(batch, heads, key_dim, generator=gen),
-        "k": torch.randn(batch, heads, key_dim, generator=gen),
-        "v": torch.randn(batch, heads, value_dim, generator=gen),
-        "log_gamma": F.logsigmoid(torch.randn(batch, heads, generator=gen) + 2.0),
-        "beta": torch.sigmoid(torch.randn(batch, heads, generator=gen)),
-    }
-
-
-def exact_step(state, token):
-    """float64 gated_delta_step on normalised q, k."""
-    t = {name: x.to(F64) for name, x in token.items()}
-    q, k = F.normalize(t["q"], dim=-1, eps=1e-6), F.normalize(t["k"], dim=-1, eps=1e-6)
-    return gated_delta_step(state.to(F64), q, k, t["v"], t["log_gamma"], t["beta"])
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "pytorch"])

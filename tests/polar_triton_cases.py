@@ -14,8 +14,9 @@ import os
 
 import pytest
 import torch
-from test_polar_reference import PARAM_NAMES, grads_of, make_inputs, random_cotangents
+from helpers import PARAM_NAMES, grads_of, make_inputs, random_cotangents
 
+from atma_titan.kernels import backends
 from atma_titan.kernels.polar import polar_attention_triton
 from atma_titan.kernels.polar.reference import polar_attention_naive
 
@@ -183,7 +184,7 @@ def test_rejects_cpu_without_interpreter_and_bad_shapes(monkeypatch):
     inputs = make_inputs(1, 4, 4, 2, 1, 12, dtype=torch.float32, requires_grad=False)  # head_dim 12
     with pytest.raises(ValueError, match="head_dim"):
         polar_attention_triton(*inputs)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(backends, "INTERPRET", False)  # as without TRITON_INTERPRET=1 (read once, at import)
     inputs = make_inputs(1, 4, 4, 2, 1, 16, dtype=torch.float32, requires_grad=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         polar_attention_triton(*inputs)
@@ -191,7 +192,7 @@ def test_rejects_cpu_without_interpreter_and_bad_shapes(monkeypatch):
 
 def test_single_masked_loop_variant():
     """SPLIT_MASK=False (one masked loop per program, an autotune choice on CUDA) gives the same answers."""
-    from atma_titan.kernels.polar import triton_kernels as tk
+    from atma_titan.kernels.polar import triton_attention as tk
 
     kernels = (tk.polar_fwd_kernel, tk.polar_bwd_dq_kernel, tk.polar_bwd_dkdv_kernel)
     assert all(len(k.configs) == 1 for k in kernels)  # the interpreter's single config, used as is

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from atma_titan.checkpoint import (
-    MARKER,
     CheckpointManager,
     export_safetensors,
     load_model_only,
@@ -28,6 +27,7 @@ from atma_titan.checkpoint import (
     model_state,
     optimizer_state,
 )
+from atma_titan.run_folder import COMPLETE_NAME as MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -334,12 +334,12 @@ def test_project_optimizers_and_schedules_round_trip(tmp_path):
 
     from atma_titan.config import JobConfig
     from atma_titan.optim import LRSchedules, build_optimizers
-    from atma_titan.train import build_model
+    from atma_titan.models import build_model, resolve_model_args
 
     cfg = JobConfig()
 
     def build():
-        model = build_model(cfg, torch.device("cpu"))
+        model = build_model(resolve_model_args(cfg.model), torch.device("cpu"), seed=cfg.job.seed)
         opts = build_optimizers(model, cfg.optimizer)
         return model, opts, LRSchedules(opts, cfg.lr_scheduler, total_steps=10)
 
@@ -384,9 +384,9 @@ WORKER = textwrap.dedent('''
     from torch.distributed.tensor import DTensor
 
     from atma_titan.checkpoint import (
-        MARKER, CheckpointManager, export_safetensors, load_model_only, load_safetensors, model_state,
-        optimizer_state,
+        CheckpointManager, export_safetensors, load_model_only, load_safetensors, model_state, optimizer_state,
     )
+    from atma_titan.run_folder import COMPLETE_NAME as MARKER
 
 
     def tiny_model(seed=0):

@@ -310,3 +310,15 @@ def test_streamed_text_resumes_exactly_at_the_same_world_size(tmp_path):
     ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split")))
     straight, split = losses(tmp_path / "straight"), losses(tmp_path / "split")
     assert [split[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
+
+
+def test_debug_config_trains_on_two_ranks_as_the_readme_runs_it(tmp_path):
+    """`torchrun --nproc_per_node=2 -m atma_titan.train --config train_configs/debug_model.toml`: its batch
+    and micro-batch divide for 1, 2 and 4 ranks (only the length and the folder are changed here)."""
+    proc = ok(
+        run_trainer(
+            2, "--config", "train_configs/debug_model.toml", "--training.steps", "2", "--job.dump_folder", str(tmp_path)
+        )
+    )
+    assert "2 micro-batches of 4 on each of 2 ranks" in proc.stdout
+    assert list(losses(tmp_path)) == [1, 2] and (tmp_path / "checkpoints" / "step-2").is_dir()

@@ -237,7 +237,7 @@ def test_hf_dataset_offline_says_how_to_work_offline(monkeypatch):
         HFDataset("some-org/some-dataset-that-is-not-cached")
     message = str(err.value)
     assert "could not reach the dataset 'some-org/some-dataset-that-is-not-cached'" in message
-    assert "huggingface-cli download --repo-type dataset some-org/some-dataset-that-is-not-cached" in message
+    assert "hf download --repo-type dataset some-org/some-dataset-that-is-not-cached" in message
     assert ".bin shards" in message and "data.source = 'text'" in message
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from helpers import EVAL_TRAIN as TRAIN
+from helpers import HandModel, Induction
 
 from atma_titan.config import load_config
 from atma_titan.data.shards import BinShards, write_shard
@@ -165,43 +166,6 @@ def test_haystack_too_short_for_the_control_raises():
 # ---------------------------------------------------------------------------------------------
 # Scoring on hand-made models
 # ---------------------------------------------------------------------------------------------
-
-
-class HandModel(nn.Module):
-    """trunk() returns `scale` * one-hot(predicted next token), or zeros where it has no guess; head is identity."""
-
-    def __init__(self, vocab: int, scale: float = 50.0):
-        super().__init__()
-        self.vocab, self.scale = vocab, scale
-        self.head = nn.Linear(vocab, vocab, bias=False)
-        with torch.no_grad():
-            self.head.weight.copy_(torch.eye(vocab))
-
-    def guess(self, tokens: np.ndarray) -> np.ndarray:  # (T,) -> (T,) token or -1
-        return np.full(len(tokens), -1)
-
-    def trunk(self, tokens: torch.Tensor):
-        h = torch.zeros(*tokens.shape, self.vocab)
-        for b, row in enumerate(tokens.cpu().numpy()):
-            for t, g in enumerate(self.guess(row)):
-                if g >= 0:
-                    h[b, t, g] = self.scale
-        return h.to(tokens.device), None
-
-
-class Induction(HandModel):
-    """Exact induction: find the earlier place where the last `span` tokens occurred, predict what followed."""
-
-    span = 8
-
-    def guess(self, tokens):
-        m, out = self.span, np.full(len(tokens), -1)
-        windows = np.lib.stride_tricks.sliding_window_view(tokens, m)
-        for t in range(m - 1, len(tokens)):
-            hits = np.flatnonzero((windows[: t - m + 1] == tokens[t - m + 1 : t + 1]).all(axis=1))
-            if len(hits):
-                out[t] = tokens[hits[-1] + m]
-        return out
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
@@ -411,27 +375,6 @@ def test_report_files_and_multi_model_plots(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The command, end to end on a debug checkpoint
 # ---------------------------------------------------------------------------------------------
-
-TRAIN = [
-    "--training.steps",
-    "2",
-    "--training.seq_len",
-    "32",
-    "--training.batch_tokens",
-    "128",
-    "--training.micro_batch_size",
-    "4",
-    "--metrics.stdout",
-    "false",
-    "--job.print_config",
-    "false",
-    "--checkpoint.enable",
-    "true",
-    "--checkpoint.interval",
-    "1",
-    "--checkpoint.export_safetensors",
-    "true",
-]
 
 
 @pytest.fixture(scope="module")

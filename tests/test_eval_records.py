@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from test_eval import TRAIN, Induction
+from helpers import EVAL_TRAIN as TRAIN
+from helpers import Induction
 
 from atma_titan.config import load_config
 from atma_titan.data.synthetic import SyntheticSource

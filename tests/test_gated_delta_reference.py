@@ -1,10 +1,11 @@
-"""Tests for the plain-PyTorch gated delta rule references (ATMA section 4)."""
+"""Tests for the plain-PyTorch gated delta rule references (docs/model.md section 4)."""
 
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import random_inputs
 
 from atma_titan.kernels.gated_delta.reference import (
     gated_delta_chunked,
@@ -13,39 +14,6 @@ from atma_titan.kernels.gated_delta.reference import (
 )
 
 F64 = torch.float64
-
-
-def random_inputs(
-    batch=2,
-    seq_len=37,
-    heads=3,
-    key_dim=8,
-    value_dim=6,
-    dtype=F64,
-    seed=0,
-    with_initial_state=True,
-    requires_grad=False,
-    device="cpu",
-):
-    """q, k, v, log_gamma, beta, initial_state as leaves (gates drawn as the model draws them)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=F64)
-
-    tensors = {
-        "q": randn(batch, seq_len, heads, key_dim),
-        "k": randn(batch, seq_len, heads, key_dim),
-        "v": randn(batch, seq_len, heads, value_dim),
-        # gamma = sigmoid(x + 2) ~ 0.88 on average, log space as the API expects
-        "log_gamma": F.logsigmoid(randn(batch, seq_len, heads) + 2.0),
-        "beta": torch.sigmoid(randn(batch, seq_len, heads)),
-        "initial_state": randn(batch, heads, value_dim, key_dim) if with_initial_state else None,
-    }
-    return {
-        name: None if x is None else x.to(device=device, dtype=dtype).requires_grad_(requires_grad)
-        for name, x in tensors.items()
-    }
 
 
 def run(fn, inputs, **kwargs):

@@ -17,13 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from atma_titan.kernels.gated_delta import (
-    gated_delta_chunked_fla,
-    gated_delta_chunked_triton,
-    gated_delta_step_,
-)
-from gated_delta_triton_cases import (
+from helpers import (
     NAMES,
     assert_relative_close,
     cast,
@@ -31,6 +25,12 @@ from gated_delta_triton_cases import (
     exact_step,
     random_inputs,
     random_step,
+)
+
+from atma_titan.kernels.gated_delta import (
+    gated_delta_chunked_fla,
+    gated_delta_chunked_triton,
+    gated_delta_step_,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,11 +56,11 @@ def test_kernels_under_the_triton_interpreter():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="checks the GPU configs")
 def test_gpu_dot_tiles_stay_clear_of_the_hopper_miscompile():
     """No tl.dot side below 64 in any GPU config: Triton >= 3.6 miscompiles sm_90 kernels with several
-    dots of side 16 / 32 (illegal memory access on the H200 with BV = 32). Importing chunked without
-    TRITON_INTERPRET builds the GPU config lists; nothing is compiled or launched."""
+    dots of side 16 / 32 (illegal memory access on the H200 with BV = 32). Importing triton_chunked
+    without TRITON_INTERPRET builds the GPU config lists; nothing is compiled or launched."""
     import triton
 
-    from atma_titan.kernels.gated_delta import chunked
+    from atma_titan.kernels.gated_delta import triton_chunked as chunked
 
     assert not chunked.INTERPRET and chunked.MIN_DOT_BLOCK >= 64 and chunked.CHUNK >= 64
     for name in ("SEQUENTIAL_CONFIGS", "PARALLEL_CONFIGS", "GRAD_CONFIGS"):

@@ -10,13 +10,14 @@ from atma_titan.models.atma import softcap
 from atma_titan.models.attention import GlobalAttention
 from atma_titan.models.conv import GatedShortConv
 from atma_titan.optim import build_optimizers
-from atma_titan.train import build_model, main
+from atma_titan.models import build_model
+from atma_titan.train import main
 
 
 def model_for(*overrides: str, seed: int = 0) -> ATMA:
     cfg = load_config(list(overrides))
     cfg.job.seed = seed
-    return build_model(cfg, torch.device("cpu"))
+    return build_model(resolve_model_args(cfg.model), torch.device("cpu"), seed=cfg.job.seed)
 
 
 def test_370m_dry_run_prints_exact_parameter_count(capsys):

@@ -37,7 +37,7 @@ def test_auto_takes_the_reference_on_cpu_and_triton_on_cuda():
 
 
 def test_triton_on_cpu_without_the_interpreter_says_what_to_do(monkeypatch):
-    monkeypatch.setattr("atma_titan.kernels.backends._INTERPRET", False)
+    monkeypatch.setattr("atma_titan.kernels.backends.INTERPRET", False)
     with pytest.raises(RuntimeError, match=r"model.memory_impl = 'triton' cannot run on cpu.*'auto' or 'reference'"):
         use_triton("triton", torch.device("cpu"), "model.memory_impl")
 

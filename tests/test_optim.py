@@ -4,11 +4,12 @@ from torch import nn
 
 from atma_titan.config import JobConfig, LRScheduler
 from atma_titan.optim import build_optimizers, lr_factor, split_parameters
-from atma_titan.train import build_model
+from atma_titan.models import build_model, resolve_model_args
 
 
 def test_parameter_groups_follow_the_recipe():
-    model = build_model(JobConfig(), torch.device("cpu"))
+    cfg = JobConfig()
+    model = build_model(resolve_model_args(cfg.model), torch.device("cpu"), seed=cfg.job.seed)
     groups = split_parameters(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert sum(len(g) for g in groups.values()) == len(list(model.parameters()))

@@ -1,7 +1,7 @@
 """Polar attention references: the streaming autograd.Function against the materialised formula.
 
 Ground truth is `polar_attention_naive` in float64 with autograd; the naive form itself is checked
-against a literal per-query transcription of ATMA.md section 3 so shared convention mistakes
+against a literal per-query transcription of docs/model.md section 3 so shared convention mistakes
 (offsets, windows, GQA head mapping) cannot hide.
 """
 
@@ -10,51 +10,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import PARAM_NAMES, grads_of, make_inputs, random_cotangents
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from atma_titan.kernels.polar.reference import (
-    polar_attention,
     polar_attention_naive,
+    polar_attention_reference,
     polar_scalars,
     visible_key_counts,
 )
-
-PARAM_NAMES = ("q", "k", "v", "len_gain", "null_base", "null_slope", "mag_beta", "v_null")
-
-
-def make_inputs(b, tq, tk, h, hkv, d, *, dtype=torch.float64, seed=0, requires_grad=True):
-    """Random q, k, v and random (not init-valued) per-head parameters."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, scale=1.0, shift=0.0):
-        x = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + shift
-        return x.to(dtype).requires_grad_(requires_grad)
-
-    return [
-        rand(b, tq, h, d),
-        rand(b, tk, hkv, d),
-        rand(b, tk, hkv, d),
-        rand(h, shift=-0.5),  # len_gain
-        rand(h, shift=1.0),  # null_base
-        rand(h),  # null_slope
-        rand(h, shift=-1.0),  # mag_beta
-        rand(h, d, scale=0.5),  # v_null
-    ]
-
-
-def random_cotangents(c, mag, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(c.shape, generator=gen, dtype=torch.float64).to(c.dtype),
-        torch.randn(mag.shape, generator=gen, dtype=torch.float64).to(mag.dtype),
-    )
-
-
-def grads_of(fn, inputs, g_c, g_mag, **kw):
-    c, mag = fn(*inputs, **kw)
-    loss = (c * g_c).sum() + (mag * g_mag).sum()
-    return torch.autograd.grad(loss, inputs)
 
 
 def assert_close_named(actual, expected, names, **tol):
@@ -80,7 +45,7 @@ def test_forward_matches_naive(case):
     b, tq, tk, h, hkv, d, window, bq, bk = case
     inputs = make_inputs(b, tq, tk, h, hkv, d, requires_grad=False)
     c_ref, mag_ref = polar_attention_naive(*inputs, window=window)
-    c, mag = polar_attention(*inputs, window=window, block_q=bq, block_k=bk)
+    c, mag = polar_attention_reference(*inputs, window=window, block_q=bq, block_k=bk)
     assert c.shape == (b, tq, h, d) and mag.shape == (b, tq, h)
     assert c.dtype == mag.dtype == torch.float64
     torch.testing.assert_close(c, c_ref, rtol=1e-10, atol=1e-12)
@@ -93,7 +58,7 @@ def test_gradients_match_naive(case):
     inputs = make_inputs(b, tq, tk, h, hkv, d, seed=2)
     g_c, g_mag = random_cotangents(*polar_attention_naive(*inputs, window=window))
     expected = grads_of(polar_attention_naive, inputs, g_c, g_mag, window=window)
-    actual = grads_of(polar_attention, inputs, g_c, g_mag, window=window, block_q=bq, block_k=bk)
+    actual = grads_of(polar_attention_reference, inputs, g_c, g_mag, window=window, block_q=bq, block_k=bk)
     assert_close_named(actual, expected, PARAM_NAMES, rtol=1e-9, atol=1e-11)
 
 
@@ -104,12 +69,12 @@ def test_gradient_of_mag_alone_and_c_alone():
         expected = torch.autograd.grad(
             polar_attention_naive(*inputs)[pick].sum(), inputs, allow_unused=True, materialize_grads=True
         )  # c ignores mag_beta
-        actual = torch.autograd.grad(polar_attention(*inputs, block_q=4, block_k=3)[pick].sum(), inputs)
+        actual = torch.autograd.grad(polar_attention_reference(*inputs, block_q=4, block_k=3)[pick].sum(), inputs)
         assert_close_named(actual, expected, PARAM_NAMES, rtol=1e-9, atol=1e-11)
 
 
 def literal_polar(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window):
-    """ATMA.md section 3 transcribed one query at a time, with explicit positions and head mapping."""
+    """docs/model.md section 3 transcribed one query at a time, with explicit positions and head mapping."""
     b_sz, tq, h_sz, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     c = torch.zeros_like(q)
@@ -146,7 +111,7 @@ def test_first_query_sees_one_key():
     """n = 1: temp = 1, null = b + softplus(gamma) sqrt(ln 2), m_eff = w_1 (one key, n_eff = 1)."""
     inputs = make_inputs(1, 1, 1, 2, 1, 4, seed=5, requires_grad=False)
     q, k, v, len_gain, null_base, null_slope, mag_beta, v_null = inputs
-    c, mag = polar_attention(*inputs)
+    c, mag = polar_attention_reference(*inputs)
     s = (q[0, 0] * k[0, 0, 0]).sum(-1) / 2.0  # (H,)
     null = null_base + F.softplus(null_slope) * math.sqrt(math.log(2.0))
     w1 = torch.sigmoid(s - null)
@@ -155,7 +120,7 @@ def test_first_query_sees_one_key():
     torch.testing.assert_close(mag[0, 0], torch.tanh(F.softplus(mag_beta) * torch.log1p(w1)))
     # len_gain is multiplied by ln(1) = 0 for the one query: its gradient must be exactly zero
     inputs = make_inputs(1, 1, 1, 2, 1, 4, seed=5)
-    c, mag = polar_attention(*inputs)
+    c, mag = polar_attention_reference(*inputs)
     (g_len_gain,) = torch.autograd.grad(c.sum() + mag.sum(), inputs[3])
     assert torch.equal(g_len_gain, torch.zeros_like(g_len_gain))
 
@@ -168,11 +133,11 @@ def test_clamped_direction_norm():
         inputs[7].mul_(1e-8)
     c_ref, mag_ref = polar_attention_naive(*inputs)
     assert c_ref.norm(dim=-1).max() < 0.5  # really in the clamped regime
-    c, mag = polar_attention(*inputs, block_q=4, block_k=4)
+    c, mag = polar_attention_reference(*inputs, block_q=4, block_k=4)
     torch.testing.assert_close(c, c_ref, rtol=1e-9, atol=1e-12)
     g_c, g_mag = random_cotangents(c_ref, mag_ref)
     expected = grads_of(polar_attention_naive, inputs, g_c, g_mag)
-    actual = grads_of(polar_attention, inputs, g_c, g_mag, block_q=4, block_k=4)
+    actual = grads_of(polar_attention_reference, inputs, g_c, g_mag, block_q=4, block_k=4)
     assert_close_named(actual, expected, PARAM_NAMES, rtol=1e-8, atol=1e-10)
 
 
@@ -184,7 +149,7 @@ def test_dominant_null_stays_finite_in_float32():
         inputs[4].fill_(40.0)  # null_base
     inputs32 = [x.detach().float().requires_grad_() for x in inputs]
     c_ref, mag_ref = polar_attention_naive(*inputs)
-    c, mag = polar_attention(*inputs32, block_q=16, block_k=16)
+    c, mag = polar_attention_reference(*inputs32, block_q=16, block_k=16)
     assert torch.isfinite(c).all() and torch.isfinite(mag).all()
     torch.testing.assert_close(c.double(), c_ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(mag.double(), mag_ref, rtol=1e-4, atol=1e-30)
@@ -195,7 +160,7 @@ def test_dominant_null_stays_finite_in_float32():
 def test_gradcheck_tiny():
     inputs = make_inputs(1, 5, 6, 2, 1, 3, seed=8)
     assert torch.autograd.gradcheck(
-        lambda *x: polar_attention(*x, window=4, block_q=2, block_k=3), inputs, eps=1e-6, atol=1e-6
+        lambda *x: polar_attention_reference(*x, window=4, block_q=2, block_k=3), inputs, eps=1e-6, atol=1e-6
     )
 
 
@@ -205,7 +170,7 @@ def test_half_precision_close_to_float64(dtype):
     inputs = [x.detach().to(dtype).requires_grad_() for x in inputs64]
     # compare against float64 on the rounded inputs so only the kernel's arithmetic is measured
     rounded64 = [x.detach().double().requires_grad_() for x in inputs]
-    c, mag = polar_attention(*inputs, window=20, block_q=16, block_k=8)
+    c, mag = polar_attention_reference(*inputs, window=20, block_q=16, block_k=8)
     c_ref, mag_ref = polar_attention_naive(*rounded64, window=20)
     assert c.dtype == mag.dtype == dtype
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=3e-3, atol=3e-3)
@@ -213,7 +178,9 @@ def test_half_precision_close_to_float64(dtype):
     torch.testing.assert_close(mag.double(), mag_ref, **tol)
 
     g_c, g_mag = random_cotangents(c_ref, mag_ref)
-    actual = grads_of(polar_attention, inputs, g_c.to(dtype), g_mag.to(dtype), window=20, block_q=16, block_k=8)
+    actual = grads_of(
+        polar_attention_reference, inputs, g_c.to(dtype), g_mag.to(dtype), window=20, block_q=16, block_k=8
+    )
     expected = grads_of(polar_attention_naive, rounded64, g_c, g_mag, window=20)
     for name, a, e in zip(PARAM_NAMES, actual, expected):
         assert a.dtype == dtype, name
@@ -235,7 +202,7 @@ def test_bfloat16_head_scalar_gradients():
     rounded64 = [x.detach().double().requires_grad_() for x in inputs]
     c_ref, mag_ref = polar_attention_naive(*rounded64)
     g_c, g_mag = (g.to(torch.bfloat16) for g in random_cotangents(c_ref, mag_ref))
-    actual = grads_of(polar_attention, inputs, g_c, g_mag, block_q=64, block_k=64)
+    actual = grads_of(polar_attention_reference, inputs, g_c, g_mag, block_q=64, block_k=64)
     expected = grads_of(polar_attention_naive, rounded64, g_c.double(), g_mag.double())
     for name, a, e in zip(PARAM_NAMES[3:], actual[3:], expected[3:]):
         scale = e.abs().max().item()
@@ -259,10 +226,10 @@ def test_polar_scalars_at_init():
 def test_rejects_bad_shapes():
     inputs = make_inputs(1, 4, 4, 3, 2, 4, requires_grad=False)  # 3 heads over 2 KV heads
     with pytest.raises(ValueError):
-        polar_attention(*inputs)
+        polar_attention_reference(*inputs)
     inputs = make_inputs(1, 5, 4, 2, 1, 4, requires_grad=False)  # more queries than keys
     with pytest.raises(ValueError):
-        polar_attention(*inputs)
+        polar_attention_reference(*inputs)
 
 
 class LargestTensorProbe(TorchDispatchMode):
@@ -293,7 +260,7 @@ def test_long_sequence_streams_in_tiles(window):
     b, t, h, hkv, d, block = 1, 8192, 2, 1, 16, 512
     inputs = make_inputs(b, t, t, h, hkv, d, dtype=torch.float32, seed=10, requires_grad=False)
     with torch.no_grad(), LargestTensorProbe() as probe:
-        c, mag = polar_attention(*inputs, window=window, block_q=block, block_k=block)
+        c, mag = polar_attention_reference(*inputs, window=window, block_q=block, block_k=block)
     assert torch.isfinite(c).all() and torch.isfinite(mag).all()
     # nothing bigger than the inputs or one score tile per (batch, head); a T x T tensor is 67M
     assert probe.largest <= max(b * t * h * d, b * h * block * block), probe.largest

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_polar_reference import PARAM_NAMES, make_inputs, random_cotangents
+from helpers import PARAM_NAMES, make_inputs, random_cotangents
 
 from atma_titan.kernels.polar import polar_attention_naive, polar_attention_triton
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from atma_titan import sweep
+from atma_titan.sweep import local
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "launch" / "sweep_array.sbatch"
@@ -179,7 +180,7 @@ def test_bad_factor_exits_2_from_the_command_line(tmp_path):
 
 
 class FakeCommands:
-    """Stands in for `sweep.spawn`: 'trains' (metrics.jsonl + DONE) and 'evaluates' (results.json)
+    """Stands in for `sweep.local.spawn`: 'trains' (metrics.jsonl + DONE) and 'evaluates' (results.json)
     in milliseconds, records every command, and fails the stages listed in `fail`."""
 
     def __init__(self, fail=()):
@@ -232,8 +233,7 @@ def fake_results(name: str, variants=("access",)) -> dict:
 @pytest.fixture
 def fake(monkeypatch):
     commands = FakeCommands()
-    monkeypatch.setattr(sweep, "spawn", commands)
-    monkeypatch.setattr(sweep, "check_eval_available", lambda: None)
+    monkeypatch.setattr(local, "spawn", commands)
     return commands
 
 
@@ -331,7 +331,7 @@ def test_trainer_exiting_0_without_done_is_a_failure(tmp_path, fake, monkeypatch
         Path(cmd[cmd.index("--job.dump_folder") + 1]).mkdir(parents=True, exist_ok=True)
         return 0
 
-    monkeypatch.setattr(sweep, "spawn", stops_early)
+    monkeypatch.setattr(local, "spawn", stops_early)
     assert sweep.main(["run", "--base", BASE, "--out", str(out), "--factor", "model.window=0", "--no-eval"]) == 1
     failed = (out / "cells" / "window-0" / "FAILED").read_text()
     assert failed.startswith("train: stopped before the last step (no run/DONE)")
@@ -349,7 +349,7 @@ def test_sigterm_stops_the_running_cell_gracefully(tmp_path, monkeypatch, capsys
         "m.write_text('started')\n"
         "time.sleep(30)\n"
     )
-    monkeypatch.setattr(sweep, "train_command", lambda *a: [sys.executable, "-c", child])
+    monkeypatch.setattr(local, "train_command", lambda *a: [sys.executable, "-c", child])
 
     def send_sigterm():
         deadline = time.monotonic() + 20
@@ -426,21 +426,114 @@ def test_collect_writes_table_csv_and_plots(tmp_path, fake, capsys):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("report", ["missing", "broken"])
-def test_own_plots_when_the_eval_report_is_missing_or_fails(tmp_path, monkeypatch, capsys, report):
-    def broken(results_by_name, path):
-        raise RuntimeError("bad plot")
+def hide_matplotlib(monkeypatch):
+    """As if matplotlib were not installed: None in sys.modules makes its import fail."""
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)
 
-    plots = {} if report == "missing" else {"needle": broken, "length_curve": broken}
-    monkeypatch.setattr(sweep, "_report_plots", lambda: plots)
+
+def test_plots_come_from_the_eval_report_and_a_missing_matplotlib_is_a_warning(tmp_path, monkeypatch, capsys):
     results = {"a": fake_results("a"), "b": fake_results("b", variants=("access", "passkey"))}
     written = sweep.plot_comparisons(results, tmp_path)
     assert written == [tmp_path / "needle.png", tmp_path / "length_curve.png"]
-    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
-    assert ("bad plot" in capsys.readouterr().out) == (report == "broken")
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
     results["b"]["length_curve"] = results["a"]["length_curve"] = None  # no length curves: no such plot
     (tmp_path / "x").mkdir()
     assert sweep.plot_comparisons(results, tmp_path / "x") == [tmp_path / "x" / "needle.png"]
+    assert capsys.readouterr().out == ""
+
+    hide_matplotlib(monkeypatch)
+    (tmp_path / "y").mkdir()
+    assert sweep.plot_comparisons(results, tmp_path / "y") == []
+    assert capsys.readouterr().out == (
+        "warning: no plots: the evaluation plots needs the matplotlib package: "
+        "pip install 'atma_titan[eval]' (or pip install matplotlib)\n"
+    )
+    assert not list((tmp_path / "y").iterdir())
+
+
+def test_collect_without_matplotlib_still_writes_the_table(tmp_path, fake, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+    hide_matplotlib(monkeypatch)
+    assert run_2x2(out) == 0  # ends with a collect
+    assert sweep.main(["collect", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.count("warning: no plots: the evaluation plots needs the matplotlib package") == 2
+    assert "| 0 | polar | true | done | 5.7730 | 75.0 | 50.0 | 2.500 | 2.250 |" in (out / "results.md").read_text()
+    assert len(list(csv.DictReader((out / "results.csv").open()))) == 4
+    assert not list(out.glob("*.png")) and "![" not in (out / "results.md").read_text()
+
+
+def test_list_and_collect_do_not_import_torch(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out) == 0
+    code = (
+        "import sys\n"
+        "from atma_titan.sweep import main\n"
+        f"assert main(['list', '--out', {str(out)!r}]) == 0\n"
+        f"assert main(['collect', '--out', {str(out)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "collected 4 evaluated cell(s)" in proc.stdout
+
+
+# ---- paths: any current directory ------------------------------------------------------------------
+
+
+def test_the_plan_stores_absolute_paths_and_cells_run_in_its_workdir(tmp_path, fake, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out) == 0
+    plan = json.loads((out / "sweep.json").read_text())
+    assert plan["version"] == 2
+    assert plan["base"] == str(ROOT / BASE) and plan["workdir"] == str(ROOT)
+
+    seen = []
+    record = lambda cmd, log_path: seen.append(cmd) or fake(cmd, log_path)  # noqa: E731
+    monkeypatch.setattr(local, "spawn", record)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (out / "cells" / NAMES_2X2[0] / "run" / "DONE").unlink()
+    # The same base file, named from another directory: the same plan.
+    again = ["run", "--base", os.path.relpath(ROOT / BASE), "--out", os.path.relpath(out), *FACTORS_2X2, *SMALL]
+    assert sweep.main([*again, "--eval-args", EVAL_ARGS]) == 0
+    assert [c.cwd for c in seen] == [str(ROOT), str(ROOT)]  # train, then eval, where the plan was made
+    train, evaluate = seen
+    assert train[train.index("--config") + 1] == str(ROOT / BASE)
+    assert train[train.index("--job.dump_folder") + 1] == str(out / "cells" / NAMES_2X2[0] / "run")
+    assert evaluate[evaluate.index("--checkpoint") + 1] == str(out / "cells" / NAMES_2X2[0] / "run")
+    assert evaluate[evaluate.index("--out") + 1] == str(out / "cells" / NAMES_2X2[0] / "eval")
+    assert not (elsewhere / "sweep.json").exists() and list(elsewhere.iterdir()) == []
+
+
+def test_a_missing_workdir_is_a_clear_error(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out, "--no-eval") == 0
+    plan = json.loads((out / "sweep.json").read_text())
+    plan["workdir"] = str(tmp_path / "gone")
+    (out / "sweep.json").write_text(json.dumps(plan))
+    capsys.readouterr()
+    assert sweep.main(["run", "--out", str(out)]) == 2
+    assert f"error: the plan's workdir {tmp_path / 'gone'} " in capsys.readouterr().err
+    assert run_2x2(out, "--force-plan") == 0  # planned anew, here
+    assert json.loads((out / "sweep.json").read_text())["workdir"] == str(ROOT)
+
+
+def test_a_plan_written_before_workdir_existed_still_loads(tmp_path, fake, capsys):
+    out = tmp_path / "sweep"
+    assert run_2x2(out, "--no-eval") == 0
+    old = json.loads((out / "sweep.json").read_text())
+    old.pop("workdir")
+    old.update(version=1, base=BASE)  # relative to the directory the sweep was started from
+    (out / "sweep.json").write_text(json.dumps(old))
+    fake.calls.clear()
+    assert sweep.main(["run", "--out", str(out), "--no-eval"]) == 0
+    assert fake.calls == [] and capsys.readouterr().out.count("trained, skipping") == 4
+    assert run_2x2(out, "--no-eval") == 0  # the same plan, given again
+    assert sweep.main(["list", "--out", str(out)]) == 0
+    assert f"base {ROOT / BASE}" in capsys.readouterr().out
 
 
 # ---- SLURM -----------------------------------------------------------------------------------------
@@ -565,6 +658,35 @@ def test_no_eval_sweep_of_the_debug_model_trains_for_real(tmp_path):
     assert re.search(r"\| 0 \| softmax \| trained \| \d+\.\d{4} \|", (out / "results.md").read_text())
     again = cli("run", "--out", str(out), "--no-eval")
     assert "[1/1] attention-softmax: trained, skipping" in again.stdout
+
+
+@pytest.mark.slow
+def test_run_list_and_collect_work_from_another_directory(tmp_path):
+    """Planned and partly trained from the repository root; then, from an unrelated directory and
+    with only --out, the trained cell is skipped, the other one trains, and list / collect work."""
+    out = tmp_path / "sweep"
+    proc = cli(
+        "run", "--base", BASE, "--out", str(out), "--factor", "model.window=0,16", *SMALL, "--no-eval", "--cell", "0"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def cli_elsewhere(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "atma_titan.sweep", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=elsewhere, timeout=600)
+
+    proc = cli_elsewhere("run", "--out", str(out), "--no-eval")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[1/2] window-0: trained, skipping" in proc.stdout and "[2/2] window-16: trained in" in proc.stdout
+    assert (out / "cells" / "window-16" / "run" / "DONE").read_text() == "2\n"
+    listing = cli_elsewhere("list", "--out", str(out))
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout.count("  trained") == 2 and f"base {ROOT / BASE}" in listing.stdout
+    collected = cli_elsewhere("collect", "--out", str(out))
+    assert collected.returncode == 0, collected.stderr
+    assert (out / "results.md").read_text().count("| trained |") == 2
+    assert list(elsewhere.iterdir()) == []  # nothing written where the commands ran
 
 
 @pytest.mark.slow

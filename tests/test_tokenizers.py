@@ -203,7 +203,7 @@ def test_hub_tokenizer_offline_says_what_to_download(monkeypatch):
     with pytest.raises(TokenizerError) as err:
         build_tokenizer("hf:some-org/some-tokenizer-that-is-not-cached")
     message = str(err.value)
-    assert "huggingface-cli download some-org/some-tokenizer-that-is-not-cached tokenizer.json" in message
+    assert "hf download some-org/some-tokenizer-that-is-not-cached tokenizer.json" in message
     assert "data.tokenizer = 'DIR/tokenizer.json'" in message
 
 

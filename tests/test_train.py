@@ -1,29 +1,17 @@
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import SMALL
 
 from atma_titan.config import load_config
 from atma_titan.train import train
-
-SMALL = [
-    "--training.steps",
-    "3",
-    "--training.seq_len",
-    "32",
-    "--training.batch_tokens",
-    "256",
-    "--training.micro_batch_size",
-    "4",
-    "--metrics.log_freq",
-    "1",
-    "--job.print_config",
-    "false",
-]
 
 
 def read_metrics(folder: Path) -> list[dict]:
@@ -151,3 +139,108 @@ def test_recall_weight_scales_the_recall_labels_of_the_loss(tmp_path):
         cfg.job.dump_folder = str(folder)
         train(cfg)
     assert read_metrics(weighted)[0]["loss"] > read_metrics(plain)[0]["loss"]  # recall tokens now count 25 times
+
+
+# ---- the run's story, its folder and its metrics (a new user's first hour) ------------------------
+
+
+def small_run(folder: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_train("--config", "train_configs/debug_model.toml", *SMALL, "--job.dump_folder", str(folder), *extra)
+
+
+def test_stdout_tells_the_run_header_checkpoints_and_summary(tmp_path):
+    proc = small_run(tmp_path, "--checkpoint.interval", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("atma_titan: debug model, ") and " parameters (4 blocks, 1 global, polar attention" in out
+    assert "batch 8 x 32 = 256 tokens a step (2 micro-batches of 4 on each of 1 rank); 3 steps = 768 tokens" in out
+    assert f"run folder {tmp_path}: config.toml, metrics.jsonl; checkpoints every 2 steps" in out
+    assert "[job]" not in out  # the resolved config goes to config.toml, not to stdout
+    for step in (2, 3):
+        assert re.search(
+            rf"checkpoint step {step} saved: {tmp_path}/checkpoints/step-{step} \([0-9.]+ [KM]B, [0-9.]+ s\)", out
+        )
+    assert re.search(r"step    2 \| loss .* \| eta \d+s", out)  # the time left, from the second step on
+    assert "done: step 3 of 3, 768 tokens seen; this run trained 3 steps in " in out
+    assert re.search(r"final train loss \d\.\d{4}", out)
+    assert f"run folder {tmp_path}: config.toml, metrics.jsonl, checkpoints/step-3, DONE" in out
+
+
+def test_resume_logs_its_first_step_and_never_duplicates_metrics_rows(tmp_path):
+    common = ["--training.steps", "6", "--metrics.log_freq", "4", "--checkpoint.interval", "2"]
+    stopped = small_run(tmp_path, *common, "--debug.signal_at_step", "3")
+    assert stopped.returncode == 0, stopped.stderr
+    assert (
+        "stopped at step 3 on request (SIGTERM): checkpoint step 3 saved; run the same command to resume"
+        in stopped.stdout
+    )
+    # A crash after step 4's row (the checkpoint stays at 3): the rows past 3 must not stay.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 9.0}) + "\n")
+    resumed = small_run(tmp_path, *common)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {tmp_path}/checkpoints/step-3 at step 3" in resumed.stdout
+    assert "step    4 | loss" in resumed.stdout  # the first step after a resume is always logged
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 3, 4, 6]
+    assert {"event": "resume", "step": 3} in rows
+    assert rows.index({"event": "resume", "step": 3}) == 2
+
+
+def test_a_finished_run_rerun_is_already_complete(tmp_path):
+    assert small_run(tmp_path).returncode == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    again = small_run(tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == f"{tmp_path} is already complete at step 3: nothing to do"
+    assert (tmp_path / "metrics.jsonl").read_text() == before and (tmp_path / "DONE").read_text() == "3\n"
+
+
+def test_a_new_run_in_another_runs_folder_is_refused(tmp_path):
+    assert small_run(tmp_path, "--checkpoint.enable", "false").returncode == 0
+    other = small_run(tmp_path, "--checkpoint.enable", "false", "--model.attention", "softmax")
+    assert other.returncode == 2
+    assert other.stderr.startswith(f"error: job.dump_folder {tmp_path} holds another run (metrics.jsonl has steps 1..3")
+    assert "choose another job.dump_folder" in other.stderr and "Traceback" not in other.stderr
+    # The same run again (no checkpoint to resume) after an unfinished attempt starts over, rows dropped.
+    (tmp_path / "DONE").unlink()
+    again = small_run(tmp_path, "--checkpoint.enable", "false")
+    assert again.returncode == 0, again.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"event": "resume", "step": 0} and [r["step"] for r in rows[1:]] == [1, 2, 3]
+
+
+def test_an_export_failure_keeps_done_and_a_rerun_retries_the_export(tmp_path):
+    (tmp_path / "model.safetensors").mkdir(parents=True)  # the export cannot replace a directory
+    (tmp_path / "model.safetensors" / "x").write_text("")
+    failed = small_run(tmp_path, "--checkpoint.export_safetensors", "true")
+    assert failed.returncode == 1
+    assert failed.stderr.startswith("error: training is complete (DONE at step 3) but writing ")
+    assert "re-run the same command to retry the export" in failed.stderr
+    assert (tmp_path / "DONE").read_text() == "3\n"  # the finished run stays finished
+    shutil.rmtree(tmp_path / "model.safetensors")
+    retried = small_run(tmp_path, "--checkpoint.export_safetensors", "true")
+    assert retried.returncode == 0, retried.stderr
+    assert "nothing left to train" in retried.stdout and f"exported {tmp_path}/model.safetensors" in retried.stdout
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "DONE").read_text() == "3\n"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]  # nothing was trained twice
+
+
+def test_wandb_online_without_credentials_is_a_one_line_error_before_training(tmp_path):
+    pytest.importorskip("wandb")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(home), WANDB_CONFIG_DIR=str(home), WANDB_DIR=str(tmp_path), NETRC=str(home / "netrc"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "atma_titan.train", "--config", "train_configs/debug_model.toml", *SMALL,
+         "--job.dump_folder", str(tmp_path / "run"), "--metrics.wandb", "true"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert "wandb login" in errors[0] and "metrics.wandb_mode = 'offline'" in errors[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing was trained
+    assert "step    1" not in proc.stdout

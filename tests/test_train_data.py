@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_train import SMALL as TRAIN_SMALL
+from helpers import SMALL as TRAIN_SMALL
 
 from atma_titan.config import load_config
 from atma_titan.data.prepare import Job, prepare

@@ -17,12 +17,13 @@ import fsspec
 
 from atma_titan.data.synthetic import SyntheticSource
 from atma_titan.data.tokenizer import Tokenizer, build_tokenizer
+from atma_titan.errors import InputError
 
 RANDOM_ACCESS = ("synthetic", "bin")
 
 
-class DataConfigError(ValueError):
-    pass
+class DataConfigError(InputError):
+    """The `[data]` section names data that does not fit: a missing path, a vocabulary the model lacks."""
 
 
 def check_vocab(tokenizer_name: str, tokenizer_vocab: int, vocab_size: int) -> None:
@@ -133,9 +134,8 @@ class TrainData:
 __all__ = [
     "DataConfigError",
     "SyntheticSource",
-    "TrainLoader",
+    "TrainData",
     "build_source",
     "build_tokenizer",
-    "build_train_loader",
     "check_vocab",
 ]

@@ -45,10 +45,12 @@ import json
 import os
 from typing import Iterator, Protocol, runtime_checkable
 
+from atma_titan.errors import InputError, import_optional
+
 __all__ = ["DataSourceError", "DocumentSource", "TextFiles", "HFDataset"]
 
 
-class DataSourceError(ValueError):
+class DataSourceError(InputError):
     """A document source cannot be read: no files, a bad file, a missing field, an unreachable dataset."""
 
 
@@ -129,7 +131,10 @@ def _open_binary(url: str, compression: str | None):
 
     if compression is not None and compression not in fsspec.compression.compr:
         package = "zstandard" if compression == "zstd" else compression
-        raise DataSourceError(f"{url}: reading {compression}-compressed files needs: pip install {package}")
+        raise DataSourceError(
+            f"{url}: reading {compression}-compressed files needs: pip install {package} "
+            "(or pip install 'atma_titan[data]')"
+        )
     return fsspec.open(url, "rb", compression=compression)
 
 
@@ -171,8 +176,9 @@ def _read_jsonl(url: str, compression: str | None, text_field: str, skip: int) -
 
 def _read_parquet(url: str, compression: str | None, text_field: str, skip: int) -> Iterator[str | None]:
     import fsspec
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    pa = import_optional("pyarrow", "data", f"reading {url}")
+    pq = import_optional("pyarrow.parquet", "data", f"reading {url}", "pyarrow")
 
     with fsspec.open(url, "rb") as f:
         parquet = pq.ParquetFile(f)
@@ -278,17 +284,14 @@ class TextFiles:
 def _offline_help(name: str) -> str:
     return (
         "To work offline: download it on a machine with internet "
-        f"(`huggingface-cli download --repo-type dataset {name} --local-dir DIR`) and pass the local "
+        f"(`hf download --repo-type dataset {name} --local-dir DIR`) and pass the local "
         "directory as the dataset name; or tokenize it there with the prepare command and train on its "
         ".bin shards; or point data.source = 'text' at local parquet/jsonl files"
     )
 
 
 def _import_datasets():
-    try:
-        import datasets
-    except ImportError as exc:
-        raise DataSourceError("HFDataset needs the Hugging Face datasets package: pip install datasets") from exc
+    datasets = import_optional("datasets", "data", "data.source = 'hf'")
     if not hasattr(datasets.IterableDataset, "load_state_dict"):
         raise DataSourceError(
             f"HFDataset resumes with IterableDataset.state_dict(), which needs datasets >= 2.18 "

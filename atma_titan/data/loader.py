@@ -9,7 +9,6 @@ even on a different number of ranks.
 
 from __future__ import annotations
 
-import warnings
 from typing import Protocol
 
 import numpy as np
@@ -19,10 +18,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 class WindowSource(Protocol):
     def window(self, index: int, length: int) -> np.ndarray: ...
-
-
-class RecallSource(WindowSource, Protocol):
-    def window_with_recall_mask(self, index: int, length: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class RankBatches(IterableDataset):
@@ -99,8 +94,6 @@ def stateful_loader(dataset: IterableDataset, num_workers: int = 0, pin_memory: 
     """A torchdata StatefulDataLoader over a dataset that yields whole micro-batches."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    # torchdata 0.11 calls torch.set_vital, deprecated since torch 2.12: harmless, but noisy in every run.
-    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
     return StatefulDataLoader(
         dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0
     )

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 
-from atma_titan.data.documents import EmptyPartError, HFDataset, TextFiles
+from atma_titan.data.documents import DataSourceError, EmptyPartError, HFDataset, TextFiles
 from atma_titan.data.shards import write_shard
 from atma_titan.data.tokenizer import build_tokenizer, encode_batch
+from atma_titan.errors import InputError
 
 MANIFEST = "manifest.json"
 PARTS_DIR = "parts"
@@ -172,7 +173,7 @@ def prepare(job: Job, workers: int = 1, progress: bool = True) -> dict:
     train = [s for r in records for s in r["shards"]]
     val = [s for r in records for s in r.get("val_shards", [])]
     if not train:
-        raise ValueError(f"no documents found in {job.path}: nothing to write to {job.out}")
+        raise DataSourceError(f"no documents found in {job.path}: nothing to write to {job.out}")
     manifest = {
         "format": "llm.c token shards (256 x int32 header: magic 20240520, version, count; then tokens)",
         "source": {
@@ -206,11 +207,26 @@ class _InlinePool:
         return map(fn, items)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option with its default."""
+
+
+def validation_note(job: Job, manifest: dict) -> str:
+    """What the validation split holds, and why it differs from --val-tokens when it does."""
+    if not job.val_tokens:
+        return "no validation split (--val-tokens 0)"
+    got = manifest["val_tokens"]
+    line = f"validation: {got:,} tokens in {len(manifest['val_shards'])} shard(s) (--val-tokens {job.val_tokens:,})"
+    if got > job.val_tokens:
+        line += ": whole documents are set aside, so the last one runs past the limit"
+    elif got < job.val_tokens:
+        line += ": part 0 held no more documents (use fewer --parts for a larger split)"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m atma_titan.data.prepare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m atma_titan.data.prepare", description=__doc__, formatter_class=_HelpFormatter
     )
     p.add_argument("--source", choices=("text", "hf"), default="text", help="text files or a Hugging Face dataset")
     p.add_argument("--path", required=True, help="text: glob/URL of .txt/.jsonl/.parquet files; hf: hub id")
@@ -222,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", type=int, default=16, help="input split into this many independently resumable parts")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per output shard at most")
-    p.add_argument("--val-tokens", type=int, default=0, help="tokens of part 0 to set aside as val_000.bin")
+    p.add_argument(
+        "--val-tokens", type=int, default=0, help="tokens of part 0 to set aside as val_000.bin (whole documents)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     for name in ("parts", "workers", "shard_tokens"):
@@ -240,15 +258,18 @@ def main(argv: list[str] | None = None) -> int:
         a.shard_tokens,
         a.val_tokens,
     )
+    began = time.time()
     try:
         manifest = prepare(job, a.workers, progress=not a.no_progress)
-    except ValueError as e:  # our sources, shards and tokenizers raise ValueError subclasses with full messages
+    except InputError as e:  # our sources, shards and tokenizers say what is wrong
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(
         f"wrote {len(manifest['train_shards'])} train shards ({manifest['train_tokens']:,} tokens) and "
-        f"{len(manifest['val_shards'])} validation shards ({manifest['val_tokens']:,} tokens) to {a.out}"
+        f"{len(manifest['val_shards'])} validation shards ({manifest['val_tokens']:,} tokens) of "
+        f"{manifest['documents']:,} documents to {a.out} in {time.time() - began:.1f} s"
     )
+    print(validation_note(job, manifest))
     return 0
 
 

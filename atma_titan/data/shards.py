@@ -46,6 +46,8 @@ import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from atma_titan.errors import InputError
+
 __all__ = ["BinShards", "ShardError", "ShardHeader", "read_header", "write_shard"]
 
 HEADER_INTS = 256
@@ -64,7 +66,7 @@ _REMOTE_BLOCK = 4 << 20  # read-ahead per remote file: a rank's next windows are
 _MAX_OPEN_REMOTE = 4  # open remote files kept per process (each holds up to one read-ahead block)
 
 
-class ShardError(ValueError):
+class ShardError(InputError):
     """A token shard (or set of shards) that cannot be read or written; the message names the file."""
 
 

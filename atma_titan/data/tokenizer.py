@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
+from atma_titan.errors import InputError, import_optional
+
 __all__ = [
     "Tokenizer",
     "TokenizerError",
@@ -44,7 +46,7 @@ __all__ = [
 _REPLACEMENT_UTF8 = "\ufffd".encode("utf-8")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer could not be built: unknown name, missing file, or a download that failed."""
 
 
@@ -129,10 +131,7 @@ def _gpt2_offline_help(error: BaseException) -> str:
 
 
 def _load_gpt2_encoding():
-    try:
-        import tiktoken
-    except ImportError as exc:
-        raise TokenizerError("tokenizer 'gpt2' needs tiktoken: pip install tiktoken") from exc
+    tiktoken = import_optional("tiktoken", "data", "tokenizer 'gpt2'")
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as exc:  # requests' ConnectionError, a hash mismatch, an unwritable cache, ...
@@ -229,11 +228,7 @@ def _find_eot(tokenizer, name: str, eot_token: str | None) -> tuple[str, int]:
 
 
 def _import_tokenizers():
-    try:
-        import tokenizers
-    except ImportError as exc:
-        raise TokenizerError("Hugging Face tokenizers need the tokenizers package: pip install tokenizers") from exc
-    return tokenizers
+    return import_optional("tokenizers", "data", "a Hugging Face tokenizer")
 
 
 def _tokenizer_json_path(name: str) -> str:
@@ -266,8 +261,8 @@ def load_hf_hub_tokenizer(repo_id: str, eot_token: str | None = None) -> HFToken
         raise TokenizerError(
             f"could not load tokenizer.json of {repo_id!r} from the Hugging Face hub "
             f"({type(exc).__name__}: {exc}). To work offline, on a machine with internet run "
-            f"`huggingface-cli download {repo_id} tokenizer.json --local-dir DIR`, copy DIR here and "
-            "set data.tokenizer = 'DIR/tokenizer.json'"
+            f"`hf download {repo_id} tokenizer.json --local-dir DIR` (the hf command comes with huggingface_hub), "
+            "copy DIR here and set data.tokenizer = 'DIR/tokenizer.json'"
         ) from exc
     return HFTokenizer(tokenizer, f"hf:{repo_id}", eot_token)
 

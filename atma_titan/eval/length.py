@@ -1,4 +1,4 @@
-"""Length curve (ATMA.md section 7): mean NLL per token on nested prefixes of the same long documents.
+"""Length curve (docs/model.md section 7): mean NLL per token on nested prefixes of the same long documents.
 
 Each document is evaluated as `[EOT] + document[:L_max - 1]` (EOT before each document, as in
 training) in ONE forward pass at the longest length L_max. The model is causal, so the losses on
@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.eval.common import EvalInputError, evaluating, size_label
+from atma_titan.eval.common import EvalInputError, size_label
+from atma_titan.eval.inference import evaluating
 
 __all__ = ["DEFAULT_LENGTHS", "LengthCurve", "length_curve", "length_sequences", "nested_prefix_nll", "token_losses"]
 

@@ -16,28 +16,27 @@ architecture it was trained with.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
-from atma_titan.checkpoint import MARKER, load_model_only, load_safetensors
+from atma_titan.checkpoint import load_model_only, load_safetensors
 from atma_titan.config import JobConfig, load_config
 from atma_titan.eval.common import EvalInputError
-from atma_titan.models import ATMA, resolve_model_args
+from atma_titan.models import ATMA, ModelArgs, build_model
+from atma_titan.run_folder import (
+    COMPLETE_NAME,
+    CONFIG_NAME,
+    RunFolder,
+    complete_steps,
+    is_complete,
+    step_dir,
+    step_dirs,
+    step_of,
+)
 
-__all__ = ["ResolvedCheckpoint", "load_eval_model", "pick_eval_device", "resolve_checkpoint"]
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-CONFIG_NAME = "config.toml"
-SAFETENSORS_NAME = "model.safetensors"
-DONE_NAME = "DONE"
+__all__ = ["ResolvedCheckpoint", "load_eval_model", "load_run_config", "resolve_checkpoint"]
 
 
 @dataclass
@@ -49,22 +48,6 @@ class ResolvedCheckpoint:
     config: Path | None  # the run's config.toml, if found
 
 
-def _complete_steps(folder: Path) -> list[int]:
-    if not folder.is_dir():
-        return []
-    steps = []
-    for child in folder.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / MARKER).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def _step_of(step_dir: Path) -> int | None:
-    match = _STEP_DIR.match(step_dir.name)
-    return int(match.group(1)) if match else None
-
-
 def _config_near(*dirs: Path) -> Path | None:
     for d in dirs:
         if (d / CONFIG_NAME).is_file():
@@ -72,32 +55,18 @@ def _config_near(*dirs: Path) -> Path | None:
     return None
 
 
-def _done_step(run_dir: Path) -> int | None:
-    try:
-        return int((run_dir / DONE_NAME).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _checkpoint_folder_name(config: Path | None) -> str:
-    if config is None:
-        return "checkpoints"
-    try:
-        return tomllib.loads(config.read_text()).get("checkpoint", {}).get("folder", "checkpoints")
-    except (OSError, tomllib.TOMLDecodeError):
-        return "checkpoints"
-
-
 def _from_folder(folder: Path, step: int | None, run_dir: Path, config: Path | None) -> ResolvedCheckpoint:
-    steps = _complete_steps(folder)
-    have = ", ".join(f"step-{s}" for s in steps) or "none"
+    steps = complete_steps(folder)
+    have = ", ".join(step_dir(folder, s).name for s in steps) or "none"
     if step is None:
         if not steps:
-            raise EvalInputError(f"no complete checkpoint (step-<n>/{MARKER}) under {folder}")
+            raise EvalInputError(f"no complete checkpoint (step-<n>/{COMPLETE_NAME}) under {folder}")
         step = steps[-1]
     elif step not in steps:
-        raise EvalInputError(f"no complete checkpoint step-{step} under {folder}; complete checkpoints: {have}")
-    return ResolvedCheckpoint(folder / f"step-{step}", "dcp", step, run_dir, config)
+        raise EvalInputError(
+            f"no complete checkpoint {step_dir(folder, step).name} under {folder}; complete checkpoints: {have}"
+        )
+    return ResolvedCheckpoint(step_dir(folder, step), "dcp", step, run_dir, config)
 
 
 def resolve_checkpoint(path: str | Path, step: int | None = None) -> ResolvedCheckpoint:
@@ -108,27 +77,39 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> ResolvedChe
     if path.is_file():
         if path.suffix != ".safetensors":
             raise EvalInputError(f"{path} is a file but not a .safetensors export; pass a checkpoint directory")
-        run = path.parent
+        run = RunFolder.of(path.parent)
         return ResolvedCheckpoint(
-            path, "safetensors", step if step is not None else _done_step(run), run, _config_near(run)
+            path, "safetensors", step if step is not None else run.done_step(), run.path, _config_near(run.path)
         )
-    if (path / MARKER).is_file():  # a step directory
-        own = _step_of(path)
+    if is_complete(path):  # a step directory
+        own = step_of(path)
         if step is not None and own is not None and step != own:
             raise EvalInputError(f"--step {step} does not match the checkpoint directory {path}")
         run = path.parent.parent
         return ResolvedCheckpoint(path, "dcp", own if own is not None else step, run, _config_near(run, path.parent))
-    if any(_STEP_DIR.match(c.name) for c in path.iterdir()):  # a checkpoint folder
+    if step_dirs(path):  # a checkpoint folder
         return _from_folder(path, step, path.parent, _config_near(path.parent, path))
-    config = _config_near(path)  # a dump folder
-    folder = path / _checkpoint_folder_name(config)
-    if _complete_steps(folder) or step is not None:
-        return _from_folder(folder, step, path, config)
-    if (path / SAFETENSORS_NAME).is_file():
-        return ResolvedCheckpoint(path / SAFETENSORS_NAME, "safetensors", _done_step(path), path, config)
-    raise EvalInputError(
-        f"{path} holds no checkpoint: no complete step-<n>/{MARKER} under {folder} and no {SAFETENSORS_NAME}"
+    run = RunFolder.of(path)  # a dump folder
+    config = _config_near(path)
+    if complete_steps(run.checkpoints) or step is not None:
+        return _from_folder(run.checkpoints, step, path, config)
+    if run.safetensors.is_file():
+        return ResolvedCheckpoint(run.safetensors, "safetensors", run.done_step(), path, config)
+    raise EvalInputError(_no_weights_message(run))
+
+
+def _no_weights_message(run: RunFolder) -> str:
+    """What the folder lacks, and what to change in the training command to get it."""
+    message = (
+        f"{run.path} holds no checkpoint: no complete step-<n>/{COMPLETE_NAME} under {run.checkpoints} "
+        f"and no {run.safetensors.name}"
     )
+    if run.config.is_file() or run.done.is_file():
+        message += (
+            "; it looks like a run trained with checkpoint.enable = false: train it again with "
+            "--checkpoint.enable true (a checkpoint at the end) or --checkpoint.export_safetensors true"
+        )
+    return message
 
 
 def load_run_config(resolved: ResolvedCheckpoint, config: str | Path | None = None) -> JobConfig:
@@ -142,20 +123,9 @@ def load_run_config(resolved: ResolvedCheckpoint, config: str | Path | None = No
     return load_config(["--config", str(path)])
 
 
-def pick_eval_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EvalInputError(f"--device {name}: no CUDA device is available; use auto or cpu")
-    return device
-
-
-def load_eval_model(cfg: JobConfig, resolved: ResolvedCheckpoint, device: torch.device) -> ATMA:
-    """Build the run's model unsharded on `device` and load the checkpoint's weights into it."""
-    with torch.device("meta"):
-        model = ATMA(resolve_model_args(cfg.model))
-    model.to_empty(device=device)  # every tensor is then overwritten by the load (strict)
+def load_eval_model(args: ModelArgs, resolved: ResolvedCheckpoint, device: torch.device) -> ATMA:
+    """Build the model `args` describes unsharded on `device` and load the checkpoint's weights into it."""
+    model = build_model(args, device)  # every tensor is then overwritten (strict load)
     if resolved.kind == "safetensors":
         load_safetensors(model, resolved.path)
     else:

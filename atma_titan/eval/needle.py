@@ -1,4 +1,4 @@
-"""The induction needle, teacher-forced (ATMA.md section 7).
+"""The induction needle, teacher-forced (docs/model.md section 7).
 
 Protocol, one trial::
 
@@ -45,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.eval.common import EvalInputError, evaluating, pad_right, size_label
+from atma_titan.eval.common import EvalInputError, size_label
+from atma_titan.eval.inference import evaluating, pad_right
 from atma_titan.eval.corpus import FillerHaystack
 
 __all__ = [

@@ -19,6 +19,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from atma_titan.errors import import_optional
 from atma_titan.eval.common import size_label
 
 __all__ = ["needle_markdown", "plot_length_curves", "plot_needle", "results_markdown", "write_results"]
@@ -109,11 +110,10 @@ def results_markdown(results: dict) -> str:
 
 
 def _figure(width: float = 7.0, height: float = 4.5):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend in this process is
+    backend = import_optional("matplotlib.backends.backend_agg", "eval", "the evaluation plots", "matplotlib")
+    figure = import_optional("matplotlib.figure", "eval", "the evaluation plots", "matplotlib")
+    fig = figure.Figure(figsize=(width, height), layout="constrained")
+    backend.FigureCanvasAgg(fig)  # render with Agg whatever pyplot's backend in this process is
     return fig, fig.add_subplot()
 
 

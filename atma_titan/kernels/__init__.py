@@ -1,2 +1,13 @@
-"""Attention and recurrence kernels. Each op has a plain-PyTorch reference beside its Triton kernel;
-kernels know nothing about models."""
+"""Attention and recurrence kernels; they know nothing about models.
+
+One entry point per op, choosing the implementation by `impl` (auto | triton | reference, see
+backends.py, where the Triton environment flags are read once):
+
+- `polar.polar_attention(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window, impl, ...)`
+- `gated_delta.gated_delta(q, k, v, log_gamma, beta, *, impl, chunk_size, initial_state, normalize_qk)`
+  (impl may also be `fla`)
+
+Both op folders have the same files: reference.py (PyTorch references, the ground truth), ops.py
+(torch.library custom ops and the entry point) and triton_*.py (the Triton kernels and their launchers,
+imported on the first kernel call).
+"""

@@ -1,8 +1,16 @@
-"""Which implementation of a kernel runs: the Triton kernel where it can run, else the PyTorch reference.
+"""Which implementation of a kernel runs, and the environment flags of the Triton kernels.
 
 `auto` picks Triton on CUDA (when triton is installed) and the reference elsewhere: on CPU the Triton
 interpreter is correct but orders of magnitude slower than the reference, so it is only taken when
 asked for (`triton` with TRITON_INTERPRET=1, as the kernel tests do).
+
+The environment is read here, once, at import, and nowhere else: the entry points ask on every
+forward, inside compiled blocks, where dynamo cannot trace os.environ or importlib, and
+TRITON_INTERPRET only takes effect if it is set before triton is imported anyway.
+
+- `INTERPRET`: TRITON_INTERPRET=1, the Triton interpreter on the CPU (tests).
+- `AUTOTUNE`: False with ATMA_TRITON_AUTOTUNE=0, where the kernels take their first config only
+  (tests, where tuning time dominates and speed is irrelevant).
 """
 
 from __future__ import annotations
@@ -12,12 +20,19 @@ import os
 
 import torch
 
-__all__ = ["triton_installed", "triton_runs_on", "use_triton"]
+__all__ = [
+    "AUTOTUNE",
+    "INTERPRET",
+    "autotune_choices",
+    "built_for_interpreter",
+    "triton_installed",
+    "triton_runs_on",
+    "use_triton",
+]
 
-# Read once at import: the model asks on every forward, inside compiled blocks, where dynamo cannot
-# trace importlib (and TRITON_INTERPRET only takes effect if set before triton is imported anyway).
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
 
 
 def triton_installed() -> bool:
@@ -28,11 +43,12 @@ def triton_runs_on(device: torch.device) -> bool:
     """True when a Triton kernel can launch on `device`: a GPU, or the CPU under TRITON_INTERPRET=1."""
     if not _TRITON_INSTALLED:
         return False
-    return device.type == "cuda" or (device.type == "cpu" and _INTERPRET)
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
 
 
 def use_triton(impl: str, device: torch.device, what: str) -> bool:
-    """Resolve `impl` (auto | triton | reference) for tensors on `device`; `what` names the config key."""
+    """Resolve `impl` (auto | triton | reference) for tensors on `device`; `what` names the setting
+    in error messages (e.g. the config key `model.memory_impl`)."""
     if impl == "reference":
         return False
     if impl == "auto":
@@ -50,6 +66,15 @@ def use_triton(impl: str, device: torch.device, what: str) -> bool:
             )
         return True
     raise ValueError(f"{what} = {impl!r} is unknown")
+
+
+def built_for_interpreter(kernel) -> bool:
+    """Whether triton built `kernel` (a @triton.jit function) for its interpreter. Triton decides when
+    the decorator runs, from TRITON_INTERPRET at that moment: a kernel module imported after the
+    variable changed disagrees with `INTERPRET`."""
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(kernel, JITFunction)
 
 
 def autotune_choices(module) -> dict[str, list[str]]:

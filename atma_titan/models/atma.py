@@ -1,4 +1,4 @@
-"""The ATMA decoder (ATMA.md section 1): pre-norm blocks, final RMSNorm, untied soft-capped LM head.
+"""The ATMA decoder (docs/model.md section 1): pre-norm blocks, final RMSNorm, untied soft-capped LM head.
 
     h = h + mixer(norm1(h));  h = h + mlp(norm2(h))
 
@@ -68,7 +68,7 @@ class ATMA(nn.Module):
         """PyTorch's default Linear/Embedding init, then zero every residual branch's output and the head.
 
         Deliberately NOT zeroed: the LFM2 `in_proj` (the published scripts zeroed every "*proj*",
-        which froze all conv blocks at a constant output; ATMA.md section 5).
+        which froze all conv blocks at a constant output; docs/model.md section 5).
         """
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):
@@ -106,7 +106,7 @@ def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def parameter_breakdown(model: ATMA) -> dict[str, int]:
-    """Parameter counts by component, in the terms ATMA.md uses to check fidelity."""
+    """Parameter counts by component, in the terms of docs/model.md section 1.1 (the fidelity check)."""
     counts = {"embedding": 0, "lm_head": 0, "norms": 0, "mlp": 0, "conv_blocks": 0, "attention_blocks": 0, "memory": 0}
     for name, p in model.named_parameters():
         n = p.numel()

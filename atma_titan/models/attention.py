@@ -1,6 +1,6 @@
 """The global mixer: Polar (or softmax) attention with Canon convolutions, plus the memory branch.
 
-Polar (ATMA.md section 3) replaces softmax's "weights sum to one" with a null entry whose logit
+Polar (docs/model.md section 3) replaces softmax's "weights sum to one" with a null entry whose logit
 grows like the max of n noise logits, a length temperature, and two outputs: a unit direction c
 (what was found) and a bounded count mag (how much was found):
 
@@ -13,10 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.kernels.backends import use_triton
-from atma_titan.kernels.polar import polar_attention, polar_attention_triton
-from atma_titan.kernels.polar.ops import supports_head_dim
-from atma_titan.kernels.polar.reference import polar_scalars
+from atma_titan.kernels.polar import polar_attention, polar_scalars
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import CausalDepthwiseConv, rms_norm, rotary
 from atma_titan.models.memory import GatedDeltaMemory
@@ -96,11 +93,10 @@ class GlobalAttention(nn.Module):
         """The Polar core: direction c (B, T, H, D) and count mag (B, T, H), by the configured kernel."""
         a = self.args
         scalars = (self.len_gain, self.null_base, self.null_slope, self.mag_beta, self.v_null)
-        # `auto` keeps the reference for head sizes the kernel does not take; `triton` says why it can't
-        kernel_fits = a.attention_impl == "triton" or supports_head_dim(a.head_dim)
-        if kernel_fits and use_triton(a.attention_impl, q.device, "model.attention_impl"):
-            return polar_attention_triton(q, k, v, *scalars, window=a.window)
-        return polar_attention(q, k, v, *scalars, window=a.window, block_q=a.attention_block, block_k=a.attention_block)
+        return polar_attention(
+            q, k, v, *scalars, window=a.window, impl=a.attention_impl, block_q=a.attention_block,
+            block_k=a.attention_block, what="model.attention_impl",
+        )  # fmt: skip
 
     def distractor_loss(self, q: torch.Tensor) -> torch.Tensor:
         """Mean softmax mass that R random keys take from the null entry, at each query's own n.

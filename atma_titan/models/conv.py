@@ -1,4 +1,4 @@
-"""LFM2 gated short convolution, the mixer of the local blocks (ATMA.md section 2).
+"""LFM2 gated short convolution, the mixer of the local blocks (docs/model.md section 2).
 
     B, C, x = split3(in_proj(h));  y = causal_depthwise_conv1d(B * x, k=3);  out = out_proj(C * y)
 

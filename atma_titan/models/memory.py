@@ -1,4 +1,4 @@
-"""Gated-delta ("Titans") recurrent memory of the global blocks (ATMA.md section 4).
+"""Gated-delta ("Titans") recurrent memory of the global blocks (docs/model.md section 4).
 
 One (dv x dk) state per query head, written from the block's post-Canon k, v and read with its q:
 
@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.kernels.backends import use_triton
-from atma_titan.kernels.gated_delta import gated_delta_chunked, gated_delta_chunked_fla, gated_delta_chunked_triton
+from atma_titan.kernels.gated_delta import gated_delta
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import rms_norm
 
@@ -52,12 +51,7 @@ class GatedDeltaMemory(nn.Module):
 
     def recurrence(self, q, k, v, log_gamma, beta) -> torch.Tensor:
         """r_t = M_t q_t over the whole sequence from a zero state, by the configured kernel."""
-        if self.impl == "fla":
-            r, _ = gated_delta_chunked_fla(q, k, v, log_gamma, beta)
-        elif use_triton(self.impl, q.device, "model.memory_impl"):
-            r, _ = gated_delta_chunked_triton(q, k, v, log_gamma, beta)
-        else:
-            r, _ = gated_delta_chunked(q, k, v, log_gamma, beta, chunk_size=self.chunk)
+        r, _ = gated_delta(q, k, v, log_gamma, beta, impl=self.impl, chunk_size=self.chunk, what="model.memory_impl")
         return r
 
     def zero_output(self) -> None:

@@ -14,6 +14,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from atma_titan.errors import InputError
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun tells this process (RANK, WORLD_SIZE, LOCAL_RANK), read once.
+
+    `launched` is False for a plain `python -m atma_titan.train` (no WORLD_SIZE in the environment)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    launched: bool = False
+
+    @classmethod
+    def from_environ(cls) -> LaunchEnv:
+        env = os.environ
+        return cls(
+            int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), "WORLD_SIZE" in env
+        )
+
 
 @dataclass
 class ParallelDims:
@@ -51,35 +72,35 @@ class ParallelDims:
 def resolve_degrees(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
     """Fill in dp_shard = -1 and check that the degrees multiply to the world size."""
     if dp_replicate < 1:
-        raise ValueError(f"'parallelism.dp_replicate' = {dp_replicate} is invalid; allowed: an integer >= 1")
+        raise InputError(f"'parallelism.dp_replicate' = {dp_replicate} is invalid; allowed: an integer >= 1")
     if dp_shard == -1:
         if world_size % dp_replicate:
-            raise ValueError(
+            raise InputError(
                 f"'parallelism.dp_replicate' = {dp_replicate} does not divide the world size "
                 f"{world_size}; allowed: a divisor of the number of ranks"
             )
         dp_shard = world_size // dp_replicate
     if dp_shard < 1 or dp_replicate * dp_shard != world_size:
-        raise ValueError(
+        raise InputError(
             f"'parallelism.dp_replicate' x 'parallelism.dp_shard' = {dp_replicate} x {dp_shard} must "
             f"equal the world size {world_size}; set dp_shard = -1 to use every remaining rank"
         )
     return dp_replicate, dp_shard
 
 
-def init_distributed(dp_replicate: int, dp_shard: int, device_type: str, timeout_s: int = 600) -> ParallelDims:
-    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; start NCCL (CUDA) or gloo (CPU) under torchrun.
+def init_distributed(
+    env: LaunchEnv, dp_replicate: int, dp_shard: int, device_type: str, timeout_s: int = 600
+) -> ParallelDims:
+    """Start NCCL (CUDA) or gloo (CPU) process groups and the mesh under torchrun.
 
-    A plain `python -m atma_titan.train` (no WORLD_SIZE) runs without process groups or FSDP; under
+    A plain `python -m atma_titan.train` (not `env.launched`) runs without process groups or FSDP; under
     torchrun the model is always FSDP-sharded, with one rank too, so one GPU runs the cluster code path.
     """
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    dp_replicate, dp_shard = resolve_degrees(world_size, dp_replicate, dp_shard)
+    dp_replicate, dp_shard = resolve_degrees(env.world_size, dp_replicate, dp_shard)
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-    dims = ParallelDims(world_size, rank, local_rank, dp_replicate, dp_shard)
-    if "WORLD_SIZE" in os.environ:
+        torch.cuda.set_device(env.local_rank)
+    dims = ParallelDims(env.world_size, env.rank, env.local_rank, dp_replicate, dp_shard)
+    if env.launched:
         if not dist.is_initialized():
             backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))

@@ -1,9 +1,18 @@
-"""Gated delta rule: exact recurrence and chunked (WY/UT) references, Triton kernels and ops.
+"""Gated delta rule: one entry point, `gated_delta(..., impl=auto | triton | reference | fla)`.
+
+- reference.py: the PyTorch references, `gated_delta_recurrent` (exact per-token recurrence; ground
+  truth), `gated_delta_chunked` (chunked WY / UT form) and the decode steps.
+- ops.py: the torch.library custom ops of the Triton kernels, `gated_delta_chunked_triton`,
+  `gated_delta_step_` (in-place decode step), the flash-linear-attention wrapper
+  `gated_delta_chunked_fla` and the dispatching `gated_delta`.
+- triton_chunked.py, triton_step.py: the Triton kernels (chunked forward / backward, decode step)
+  and their launchers.
 
 Importing this package does not import triton: the kernels load on first use (ops.py).
 """
 
 from atma_titan.kernels.gated_delta.ops import (
+    gated_delta,
     gated_delta_chunked_fla,
     gated_delta_chunked_triton,
     gated_delta_step_,
@@ -15,6 +24,7 @@ from atma_titan.kernels.gated_delta.reference import (
 )
 
 __all__ = [
+    "gated_delta",
     "gated_delta_chunked",
     "gated_delta_chunked_fla",
     "gated_delta_chunked_triton",

@@ -1,5 +1,9 @@
 """torch.library registration of the gated delta Triton kernels, and the public entry points.
 
+`gated_delta(..., impl=)` runs the chunked rule by impl (auto | triton | reference | fla, see
+kernels/backends.py); `gated_delta_chunked_triton`, `gated_delta_chunked_fla` and `gated_delta_step_`
+are the single implementations.
+
 Registered ops (custom_op everywhere: it compiles with fullgraph=True on CUDA and on CPU, where a
 triton_op would make Inductor try to build the kernel):
 
@@ -8,31 +12,30 @@ triton_op would make Inductor try to build the kernel):
         -> (dq, dk, dv, dlog_gamma, dbeta, dinitial_state)
     atma::gated_delta_step(state_pool!, slots, q, k, v, log_gamma, beta, normalize_qk) -> r
 
-Triton is imported only when a kernel first runs, so importing this module (and the model) never
-needs triton. On CPU the chunked kernels run only under TRITON_INTERPRET=1 (set before triton is
-imported); the decode step falls back to the PyTorch in-place reference there.
+Triton (triton_chunked.py, triton_step.py) is imported only when a kernel first runs, so importing
+this module (and the model) never needs triton. On CPU the chunked kernels run only under
+TRITON_INTERPRET=1 (set before triton is imported); the decode step falls back to the PyTorch
+in-place reference there.
 """
 
-import os
 from typing import Optional
 
 import torch
 
+from atma_titan.errors import import_optional
+from atma_titan.kernels import backends
 from atma_titan.kernels.gated_delta.reference import (
     _check_shapes,
     _check_step_shapes,
+    gated_delta_chunked,
     gated_delta_step_inplace,
 )
 
-__all__ = ["gated_delta_chunked_triton", "gated_delta_step_", "gated_delta_chunked_fla"]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+__all__ = ["gated_delta", "gated_delta_chunked_triton", "gated_delta_step_", "gated_delta_chunked_fla"]
 
 
 def _require_triton_device(x: torch.Tensor) -> None:
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not backends.INTERPRET:
         raise RuntimeError(
             f"the Triton gated delta kernels need a CUDA tensor (got {x.device}); on CPU use the PyTorch "
             "reference atma_titan.kernels.gated_delta.gated_delta_chunked, or set TRITON_INTERPRET=1 "
@@ -41,9 +44,9 @@ def _require_triton_device(x: torch.Tensor) -> None:
 
 
 def _chunked_kernels():
-    from atma_titan.kernels.gated_delta import chunked
+    from atma_titan.kernels.gated_delta import triton_chunked
 
-    return chunked
+    return triton_chunked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +155,8 @@ def _step(
     beta: torch.Tensor,
     normalize_qk: bool,
 ) -> torch.Tensor:
-    if state_pool.device.type == "cuda" or _interpreting():
-        from atma_titan.kernels.gated_delta.step import step_inplace
+    if state_pool.device.type == "cuda" or backends.INTERPRET:
+        from atma_titan.kernels.gated_delta.triton_step import step_inplace
 
         return step_inplace(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk)
     return gated_delta_step_inplace(state_pool, slots, q, k, v, log_gamma, beta, normalize_qk=normalize_qk)
@@ -204,16 +207,10 @@ def gated_delta_chunked_fla(
     fla reads r_t = scale * S_t^T q_t with its state S as (B, H, Dk, Dv): we pass scale = 1 and
     transpose the state both ways. Its g is our log_gamma.
     """
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError as error:
-        raise ImportError(
-            "gated_delta_chunked_fla needs flash-linear-attention (pip install fla-core); "
-            "use gated_delta_chunked_triton or the reference gated_delta_chunked instead"
-        ) from error
+    fla = import_optional("fla.ops.gated_delta_rule", "fla", "model.memory_impl = 'fla'", "fla-core")
     _check_shapes(q, k, v, log_gamma, beta, initial_state)
     fla_initial = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
-    r, final_state = chunk_gated_delta_rule(
+    r, final_state = fla.chunk_gated_delta_rule(
         q,
         k,
         v,
@@ -225,3 +222,36 @@ def gated_delta_chunked_fla(
         use_qk_l2norm_in_kernel=normalize_qk,
     )
     return r.to(v.dtype), final_state.transpose(-1, -2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gamma: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    impl: str = "auto",
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    normalize_qk: bool = True,
+    what: str = "impl",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule by `impl`: (r (B, T, H, Dv) in v's dtype, final_state (B, H, Dv, Dk)).
+
+    impl: `auto` (the Triton kernel on CUDA when triton is installed, else the reference), `triton`
+    (the kernel, or an error saying why it cannot run), `reference` (reference.gated_delta_chunked in
+    chunks of chunk_size; the kernel's chunk is fixed at 64) or `fla` (flash-linear-attention, if
+    installed). `what` names the setting in error messages (the model passes its config key).
+    Arguments otherwise as reference.gated_delta_chunked.
+    """
+    kwargs = {"initial_state": initial_state, "normalize_qk": normalize_qk}
+    if impl == "fla":
+        return gated_delta_chunked_fla(q, k, v, log_gamma, beta, **kwargs)
+    if backends.use_triton(impl, q.device, what):
+        return gated_delta_chunked_triton(q, k, v, log_gamma, beta, **kwargs)
+    return gated_delta_chunked(q, k, v, log_gamma, beta, chunk_size=chunk_size, **kwargs)

@@ -1,4 +1,4 @@
-"""Plain-PyTorch references for the gated delta rule (ATMA section 4).
+"""Plain-PyTorch references for the gated delta rule (docs/model.md section 4).
 
 Per head, with a matrix state M (Dv x Dk):
 

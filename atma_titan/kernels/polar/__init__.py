@@ -1,10 +1,22 @@
-"""Polar attention: streaming and materialised references, and the fused Triton kernel.
+"""Polar attention: one entry point, `polar_attention(..., impl=auto | triton | reference)`.
 
-`polar_attention_triton` is registered through torch.library (ops.py); triton itself is imported on
-its first call, so this package imports on machines without triton.
+- reference.py: the PyTorch references, `polar_attention_naive` (materialised weights, autograd
+  backward; ground truth) and `polar_attention_reference` (streaming tiles, the form the kernel mirrors).
+- ops.py: the torch.library custom ops of the fused kernel, `polar_attention_triton` (the kernel alone)
+  and the dispatching `polar_attention`.
+- triton_attention.py: the Triton kernels and their launchers.
+
+Triton is imported on the first kernel call, so this package imports on machines without triton.
 """
 
-from atma_titan.kernels.polar.ops import polar_attention_triton
-from atma_titan.kernels.polar.reference import polar_attention, polar_attention_naive
+from atma_titan.kernels.polar.ops import polar_attention, polar_attention_triton, supports_head_dim
+from atma_titan.kernels.polar.reference import polar_attention_naive, polar_attention_reference, polar_scalars
 
-__all__ = ["polar_attention", "polar_attention_naive", "polar_attention_triton"]
+__all__ = [
+    "polar_attention",
+    "polar_attention_naive",
+    "polar_attention_reference",
+    "polar_attention_triton",
+    "polar_scalars",
+    "supports_head_dim",
+]

@@ -1,7 +1,10 @@
-"""torch.library registration of the fused Polar attention kernel.
+"""torch.library registration of the fused Polar attention kernel, and the public entry point.
 
-Two custom ops, so `torch.compile(fullgraph=True)` sees one opaque node each way (on CUDA, and on
-CPU under TRITON_INTERPRET=1); the model uses these:
+`polar_attention(..., impl=)` picks the implementation (auto | triton | reference, see
+kernels/backends.py; `auto` also keeps the reference for head sizes the kernel does not take);
+`polar_attention_triton` is the kernel alone. It runs through two custom ops, so
+`torch.compile(fullgraph=True)` sees one opaque node each way (on CUDA, and on CPU under
+TRITON_INTERPRET=1):
 
 - `atma::polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)`
   -> (c, mag, lse, n_eff, s_norm): outputs in q's dtype plus fp32 (B, H, Tq) statistics.
@@ -14,19 +17,19 @@ at the first helper call), while the compiled custom op matches the eager kernel
 3% from 2K to 64K (`benchmarks/polar_attention.py --backends compiled,polar_triton`): for kernels of
 milliseconds an opaque op costs nothing measurable.
 
-Triton is imported on the first call only, so importing this module works on machines without it.
+Triton (triton_attention.py) is imported on the first kernel call only, so importing this module
+works on machines without it.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from atma_titan.kernels.polar.reference import _check_inputs
+from atma_titan.kernels import backends
+from atma_titan.kernels.polar.reference import _check_inputs, polar_attention_reference
 
-__all__ = ["polar_attention_triton", "supports_head_dim"]
+__all__ = ["polar_attention", "polar_attention_triton", "supports_head_dim"]
 
 
 def supports_head_dim(d: int) -> bool:
@@ -41,18 +44,21 @@ def _check_head_dim(d: int) -> None:
 
 def _kernels(device: torch.device):
     """The Triton module, after checking it can run on `device`."""
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not backends.INTERPRET:
         raise RuntimeError(
             "the Triton Polar attention kernel runs on CPU only under TRITON_INTERPRET=1 (set before triton is "
-            "imported); use atma_titan.kernels.polar.polar_attention (the PyTorch reference) on CPU instead"
+            "imported); use atma_titan.kernels.polar.polar_attention_reference (the PyTorch reference) on CPU "
+            "instead"
         )
     try:
-        from atma_titan.kernels.polar import triton_kernels
+        from atma_titan.kernels.polar import triton_attention
     except ImportError as err:  # pragma: no cover - depends on the machine
-        raise RuntimeError("the Triton Polar attention kernel needs triton; use polar_attention instead") from err
-    if device.type == "cpu" and not triton_kernels.INTERPRET:
-        raise RuntimeError("triton_kernels was imported before TRITON_INTERPRET=1 was set; set it before importing")
-    return triton_kernels
+        raise RuntimeError(
+            "the Triton Polar attention kernel needs triton; use polar_attention_reference instead"
+        ) from err
+    if device.type == "cpu" and not triton_attention.INTERPRETED:
+        raise RuntimeError("triton_attention was imported before TRITON_INTERPRET=1 was set; set it before importing")
+    return triton_attention
 
 
 @torch.library.custom_op("atma::polar_attention_fwd", mutates_args=())
@@ -130,7 +136,8 @@ polar_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def polar_attention_triton(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0):
-    """Fused Polar attention (same contract as `polar_attention`): returns c (B, Tq, H, D), mag (B, Tq, H).
+    """Fused Polar attention (same contract as `polar_attention_reference`): returns c (B, Tq, H, D),
+    mag (B, Tq, H).
 
     q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk (queries are the last Tq positions);
     len_gain, null_base, null_slope, mag_beta (H,); v_null (H, D). head_dim must be a power of two
@@ -140,3 +147,35 @@ def polar_attention_triton(q, k, v, len_gain, null_base, null_slope, mag_beta, v
     _check_head_dim(q.shape[-1])
     c, mag, *_ = torch.ops.atma.polar_attention_fwd(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
     return c, mag
+
+
+def polar_attention(
+    q,
+    k,
+    v,
+    len_gain,
+    null_base,
+    null_slope,
+    mag_beta,
+    v_null,
+    *,
+    window: int = 0,
+    impl: str = "auto",
+    block_q: int = 128,
+    block_k: int = 128,
+    what: str = "impl",
+):
+    """Polar attention by `impl`: c (B, Tq, H, D), mag (B, Tq, H) in q's dtype.
+
+    impl: `auto` (the Triton kernel on CUDA when triton is installed and the head size fits it, else
+    the reference), `triton` (the kernel, or an error saying why it cannot run) or `reference`
+    (`polar_attention_reference`, in query / key tiles of block_q / block_k; the kernel picks its own).
+    `what` names the setting in error messages (the model passes its config key). Shapes as in
+    `polar_attention_reference`.
+    """
+    scalars = (len_gain, null_base, null_slope, mag_beta, v_null)
+    # `auto` keeps the reference for head sizes the kernel does not take; `triton` says why it can't
+    kernel_fits = impl == "triton" or supports_head_dim(q.shape[-1])
+    if kernel_fits and backends.use_triton(impl, q.device, what):
+        return polar_attention_triton(q, k, v, *scalars, window=window)
+    return polar_attention_reference(q, k, v, *scalars, window=window, block_q=block_q, block_k=block_k)

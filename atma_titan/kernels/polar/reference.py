@@ -1,4 +1,4 @@
-"""Plain-PyTorch references for the Polar attention core (ATMA.md section 3), no projections.
+"""Plain-PyTorch references for the Polar attention core (docs/model.md section 3), no projections.
 
 For query i with n_i visible keys (causal; with a window W only the last W) and s_ij = q_i.k_j/sqrt(D):
 
@@ -14,18 +14,19 @@ queries are the last Tq of the Tk key positions (query i sits at position Tk - T
 
 `polar_attention_naive` materialises the Tq x Tk weights: ground truth for tests, autograd backward.
 
-`polar_attention` is the streaming form the Triton kernel mirrors. Forward, per query, over key
+`polar_attention_reference` is the streaming form the Triton kernel mirrors. Forward, per query, over key
 tiles: running max m of the real-key logits a_j = temp s_j, l = sum e^(a-m), q2 = sum e^(2(a-m)),
 acc = sum e^(a-m) v. The null is folded in once at the end through keep = 1 - w_N = l / Z =
 sigmoid(m + ln l - a_N), which never forms e^(a_N - m) (that overflows when the null dominates).
 Saved per query: m, l, q2, ||s_vec||. Backward: a per-query preamble (g_s, delta = g_s.s_vec, g_me,
-g_l, g_q2), then key tiles are recomputed with p_j = e^(a_j - m - ln l), i.e. ATMA.md's p_j
+g_l, g_q2), then key tiles are recomputed with p_j = e^(a_j - m - ln l), i.e. the p_j of docs/model.md section 3.7
 normalised to l = 1 (so Z = 1/keep, q2 = 1/n_eff), and
 
     dL/dp_j = keep (g_s.v_j - delta) + g_l + 2 g_q2 p_j,    da_j = p_j dL/dp_j,    ds_j = temp da_j.
 
-ATMA.md writes the first term as g_s.v_j: that holds when g_s is taken with respect to the unnormalised
-acc + p_N v_null (a 1/Z factor away from s_vec) and ||s_vec|| is not clamped (then g_s.s_vec = 0).
+docs/model.md section 3.7 writes the first term as g_s.v_j: that holds when g_s is taken with respect to
+the unnormalised acc + p_N v_null (a 1/Z factor away from s_vec) and ||s_vec|| is not clamped (then
+g_s.s_vec = 0).
 The form above is exact in both cases.
 
 The per-head scalars take sum_j da_j s_j and da_N with delta recomputed from the sweep's own products
@@ -45,8 +46,8 @@ NORM_EPS = 1e-6
 
 __all__ = [
     "NORM_EPS",
-    "polar_attention",
     "polar_attention_naive",
+    "polar_attention_reference",
     "polar_scalars",
     "visible_key_counts",
 ]
@@ -335,7 +336,7 @@ def _polar_forward(layout: _Layout, q, k, v, len_gain, null_base, null_slope, ma
 
 
 class _Preamble:
-    """Per-query backward scalars (ATMA.md's g_s, g_me, g_l, g_q2 at the l = 1 normalisation)."""
+    """Per-query backward scalars (the g_s, g_me, g_l, g_q2 of docs/model.md section 3.7 at the l = 1 normalisation)."""
 
     def __init__(self, out: _Readout, c, s_norm, g_c, g_mag, mag_slope, v_null_h):
         unclamped = s_norm > NORM_EPS
@@ -493,7 +494,9 @@ class PolarAttentionFunction(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def polar_attention(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, block_q=128, block_k=128):
+def polar_attention_reference(
+    q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, block_q=128, block_k=128
+):
     """Streaming Polar attention in O(T * block) memory; see the module docstring.
 
     q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk (queries are the last Tq positions);

@@ -1,7 +1,10 @@
-"""Fused Polar attention in Triton: forward, backward preamble, dq and dk/dv kernels.
+"""Fused Polar attention in Triton: forward, backward preamble, dq and dk/dv kernels, host launchers.
 
 The kernels compute exactly what the streaming reference (`reference.py`) computes; read its module
-docstring for the math. Conventions shared by every kernel here:
+docstring for the math. Only the Triton code and its launchers live here; the torch.library ops and
+the `polar_attention(..., impl=)` entry point are in ops.py. Importing this module imports triton:
+on CPU that only works with TRITON_INTERPRET=1 set beforehand (`backends.INTERPRET`).
+Conventions shared by every kernel here:
 
 - q, g_acc, c: (B, Tq, H, D); k, v: (B, Tk, Hkv, D), last dimension contiguous. Query head h reads
   KV head h // GROUP directly (no repeated K/V). Query row i sits at key position Tk - Tq + i.
@@ -18,20 +21,17 @@ Everything is reduced in fp32; only tl.dot operands are in the input dtype.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from atma_titan.kernels.backends import AUTOTUNE, INTERPRET, built_for_interpreter
+
 # constexpr globals: the only kind a @triton.jit function may read
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 NORM_EPS = tl.constexpr(1e-6)
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# ATMA_TRITON_AUTOTUNE=0: the first config only (tests, where tuning time dominates and speed is irrelevant)
-AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,7 +40,8 @@ AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
 
 
 def _configs(cuda_choices, interpret_choice):
-    """Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK) tuples.
+    """Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK) tuples: the interpreter's one
+    choice, else the CUDA ones (only the first without backends.AUTOTUNE, i.e. ATMA_TRITON_AUTOTUNE=0).
 
     SPLIT_MASK: separate loops for masked and fully visible tiles (no mask arithmetic on most tiles), or
     one masked loop (less code for the register allocator; it can spill less).
@@ -195,6 +196,56 @@ def _query_segments(first_key, last_key, offset, Tq, window, BLOCK_M: tl.constex
 
 
 # ----------------------------------------------------------------------------------------------
+# Program preambles (program ids and base pointers shared by several kernels)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _batch_and_head(pid, n_heads):
+    """(batch, head) of a program index over batch x heads, batch-major."""
+    return pid // n_heads, pid % n_heads
+
+
+@triton.jit
+def _query_tile_program(Tq, Tk, H, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program over (query tile, batch x head): start_m, pid_bh, b, h, its KV head and the query offset.
+
+    The heaviest (latest) query tiles come first: better tail balance under causal masking."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    b, h = _batch_and_head(pid_bh, H)
+    kvh = h // GROUP
+    offset = Tk - Tq
+    return start_m, pid_bh, b, h, kvh, offset
+
+
+@triton.jit
+def _key_sweep(
+    K,
+    V,
+    b,
+    kvh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    offset,
+    start_m,
+    Tk,
+    window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """K and V of KV head kvh in batch b, and the key-tile segments (_key_segments) of query tile start_m."""
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    first_pos = offset + start_m
+    last_pos = tl.minimum(first_pos + BLOCK_M - 1, Tk - 1)
+    lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, BLOCK_N)
+    return k_base, v_base, lo, full_lo, full_hi, hi
+
+
+# ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
 
@@ -286,13 +337,7 @@ def polar_fwd_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
-    # heaviest (latest) query tiles first: better tail balance under causal masking
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    kvh = h // GROUP
-    offset = Tk - Tq
+    start_m, pid_bh, b, h, kvh, offset = _query_tile_program(Tq, Tk, H, GROUP, BLOCK_M)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -306,11 +351,9 @@ def polar_fwd_kernel(
     temp = 1.0 + sp_alpha * tl.log(n)
     row_scale = temp * (sm_scale * LOG2E)
 
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
-    first_pos = offset + start_m
-    last_pos = tl.minimum(first_pos + BLOCK_M - 1, Tk - 1)
-    lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, BLOCK_N)
+    k_base, v_base, lo, full_lo, full_hi, hi = _key_sweep(
+        K, V, b, kvh, stride_kb, stride_kh, stride_vb, stride_vh, offset, start_m, Tk, window, BLOCK_M, BLOCK_N
+    )
 
     # a finite start for m: rows whose first tiles are all masked keep rescale = 1, p = 0
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -410,8 +453,7 @@ def polar_bwd_preamble_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_and_head(pid_bh, H)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Tq
@@ -562,12 +604,7 @@ def polar_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    kvh = h // GROUP
-    offset = Tk - Tq
+    start_m, pid_bh, b, h, kvh, offset = _query_tile_program(Tq, Tk, H, GROUP, BLOCK_M)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -584,11 +621,9 @@ def polar_bwd_dq_kernel(
     temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(_visible_counts(q_pos, window))
     row_scale = temp * (sm_scale * LOG2E)
 
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
-    first_pos = offset + start_m
-    last_pos = tl.minimum(first_pos + BLOCK_M - 1, Tk - 1)
-    lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, BLOCK_N)
+    k_base, v_base, lo, full_lo, full_hi, hi = _key_sweep(
+        K, V, b, kvh, stride_kb, stride_kh, stride_vb, stride_vh, offset, start_m, Tk, window, BLOCK_M, BLOCK_N
+    )
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # row sums: da_s = sum_j da_j q.k_j, p_g = sum_j p_j g_acc.v_j, p_s = sum_j p_j q.k_j
@@ -728,10 +763,7 @@ def polar_bwd_dkdv_kernel(
     SPLIT_MASK: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
-    pid_bkv = tl.program_id(1)
-    hkv = H // GROUP
-    b = pid_bkv // hkv
-    kvh = pid_bkv % hkv
+    b, kvh = _batch_and_head(tl.program_id(1), H // GROUP)
     offset = Tk - Tq
 
     k_pos = start_n + tl.arange(0, BLOCK_N)
@@ -772,6 +804,11 @@ def polar_bwd_dkdv_kernel(
             )
     _store_tile(_tile(DK + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), dk)
     _store_tile(_tile(DV + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), dv)
+
+
+# Whether triton built these kernels for its interpreter (it decides when @triton.jit runs): ops.py
+# refuses CPU tensors when this module was imported without TRITON_INTERPRET=1.
+INTERPRETED = built_for_interpreter(polar_bwd_preamble_kernel)
 
 
 # ----------------------------------------------------------------------------------------------

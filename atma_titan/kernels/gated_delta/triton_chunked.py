@@ -21,26 +21,25 @@ Backward (the forward's workspaces are recomputed, so only the inputs are kept f
                     the decays (every use of g, then a reverse cumsum) and the L2 normalisation;
                     two passes over Dv (UT transform, then output / state) to bound the live tiles.
 
-Only the Triton launchers live here; torch.library registration is in ops.py. Importing this
-module imports triton: on CPU that only works with TRITON_INTERPRET=1 set beforehand.
+Only the Triton kernels and their launchers live here; torch.library registration and the
+`gated_delta(..., impl=)` entry point are in ops.py, the decode step in triton_step.py. Importing this
+module imports triton: on CPU that only works with TRITON_INTERPRET=1 set beforehand
+(`backends.INTERPRET`).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from atma_titan.kernels.backends import AUTOTUNE, INTERPRET
 
 CHUNK = 64
 L2_EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in reference.L2_NORM_EPS
 # (I + A)^{-1}: diagonal blocks of INVERSE_BLOCK by forward substitution, then INVERSE_LEVELS doublings to CHUNK
 INVERSE_BLOCK = tl.constexpr(16)
 INVERSE_LEVELS = tl.constexpr(2)
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# ATMA_TRITON_AUTOTUNE=0: the first config only (tests, where tuning time dominates and speed is irrelevant)
-AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
 
 
 # Smallest side of a tile that reaches a tl.dot on the GPU (BK, BVF and every BV are at least this).
@@ -73,7 +72,8 @@ def _prune_wide_blocks(configs, named_args, **kwargs):
 
 
 def _tune(configs: list[triton.Config], key: list[str]):
-    """Autotune on a GPU; under the interpreter (where several configs crash) keep the first."""
+    """Autotune on a GPU; under the interpreter (where several configs crash), or without
+    backends.AUTOTUNE (ATMA_TRITON_AUTOTUNE=0), keep the first config."""
     return triton.autotune(
         configs=configs if AUTOTUNE and not INTERPRET else configs[:1],
         key=key,
@@ -157,6 +157,42 @@ def _state_ptrs(ptr, index, v_cols, k_cols, DV: tl.constexpr, DK: tl.constexpr):
 
 
 @triton.jit
+def _head_layout(bh, T, H: tl.constexpr, C: tl.constexpr):
+    """(b, h, n_chunks, padded_len, rows) of the (batch, head) program index bh: its batch and head, the
+    chunk count, the padded length of the head-major workspaces and the row indices of one chunk."""
+    b, h = bh // H, bh % H
+    n_chunks = tl.cdiv(T, C)
+    padded_len = n_chunks * C
+    rows = tl.arange(0, C)
+    return b, h, n_chunks, padded_len, rows
+
+
+@triton.jit
+def _chunk_tokens(n, rows, T, C: tl.constexpr):
+    """Token indices t of chunk n and the mask of those inside the sequence (t < T)."""
+    t = n * C + rows
+    return t, t < T
+
+
+@triton.jit
+def _decay_ptrs(g_ptr, bh, t, padded_len):
+    """Rows t of the cumulative log decays g, a head-major (B * H, padded_len) fp32 workspace, at bh."""
+    return g_ptr + bh.to(tl.int64) * padded_len + t
+
+
+@triton.jit
+def _chunk_end_decay(g_ptr, bh, n, padded_len, C: tl.constexpr):
+    """g at the last row of chunk n: the chunk's total log decay."""
+    return tl.load(_decay_ptrs(g_ptr, bh, n * C, padded_len) + C - 1)
+
+
+@triton.jit
+def _inverse_ptrs(ptr, bh, n, n_chunks, rows, C: tl.constexpr):
+    """The (C, C) tile T = (I + A)^{-1} of chunk n at bh in its (B * H, n_chunks, C, C) workspace."""
+    return ptr + ((bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :])
+
+
+@triton.jit
 def _decay_matrix(g, rows, STRICT: tl.constexpr):
     """exp(g_t - g_s) for s < t (STRICT) or s <= t, else 0; masked in log space so nothing overflows."""
     if STRICT:
@@ -228,12 +264,8 @@ def _prepare_kernel(
     STORE_INVERSE: tl.constexpr,
 ):
     n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    n_chunks = tl.cdiv(T, C)
-    padded_len = n_chunks * C
-    rows = tl.arange(0, C)
-    t = n * C + rows
-    t_mask = t < T
+    b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
+    t, t_mask = _chunk_tokens(n, rows, T, C)
     k_cols, v_cols = tl.arange(0, BK), tl.arange(0, BVF)
     DT = w_ptr.dtype.element_ty
 
@@ -241,7 +273,7 @@ def _prepare_kernel(
     log_gamma = tl.load(log_gamma_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
     g = tl.cumsum(log_gamma, axis=0)
-    tl.store(g_ptr + bh.to(tl.int64) * padded_len + t, g)
+    tl.store(_decay_ptrs(g_ptr, bh, t, padded_len), g)
 
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     k_dt = k.to(DT)
@@ -250,8 +282,7 @@ def _prepare_kernel(
     decay_t = tl.exp(tl.where(rows[:, None] < rows[None, :], g[None, :] - g[:, None], float("-inf")))
     inverse_dt = _unit_lower_inverse(key_overlap * beta[None, :] * decay_t, rows, C, INV_PREC).to(DT)
     if STORE_INVERSE:  # only the backward reads it (in the dtype of the products it feeds)
-        square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
-        tl.store(inverse_ptr + square, inverse_dt)
+        tl.store(_inverse_ptrs(inverse_ptr, bh, n, n_chunks, rows, C), inverse_dt)
 
     # k again (an L2 hit) rather than holding it in registers across the inverse
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
@@ -285,10 +316,7 @@ def _state_fwd_kernel(
     BV: tl.constexpr,
 ):
     vb, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    n_chunks = tl.cdiv(T, C)
-    padded_len = n_chunks * C
-    rows = tl.arange(0, C)
+    b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
     k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     v_in = (v_cols < DV)[None, :]
     DT = w_ptr.dtype.element_ty
@@ -302,10 +330,10 @@ def _state_fwd_kernel(
     for n in range(n_chunks):
         chunk_state, _ = _state_ptrs(states_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
         tl.store(chunk_state, state.to(DT), mask=state_mask)
-        t = n * C + rows
-        k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t < T, k_cols, T, H, DK), NORMALIZE)
-        g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
-        g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
+        t, t_mask = _chunk_tokens(n, rows, T, C)
+        k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
+        g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
+        g_end = _chunk_end_decay(g_ptr, bh, n, padded_len, C)
         w = tl.load(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
         u_tilde = tl.load(_workspace_ptrs(u_tilde_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0)
         u_tilde = u_tilde.to(tl.float32)
@@ -338,19 +366,15 @@ def _output_kernel(
     BV: tl.constexpr,
 ):
     n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = bh // H, bh % H
-    n_chunks = tl.cdiv(T, C)
-    padded_len = n_chunks * C
-    rows = tl.arange(0, C)
-    t = n * C + rows
-    t_mask = t < T
+    b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
+    t, t_mask = _chunk_tokens(n, rows, T, C)
     k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     DT = u_ptr.dtype.element_ty
 
     q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     q, k = q.to(DT), k.to(DT)
-    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+    g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
     chunk_state, state_mask = _state_ptrs(states_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
     state = tl.load(chunk_state, mask=state_mask, other=0.0)
     u = tl.load(_workspace_ptrs(u_ptr, bh, t, v_cols, padded_len, DV), mask=(v_cols < DV)[None, :], other=0.0)
@@ -385,17 +409,14 @@ def _dv_local_kernel(
 ):
     """dU_local = (Q K^T * D)^T dR: the intra-chunk part of the deltas' gradient."""
     n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = bh // H, bh % H
-    padded_len = tl.cdiv(T, C) * C
-    rows = tl.arange(0, C)
-    t = n * C + rows
-    t_mask = t < T
+    b, h, _, padded_len, rows = _head_layout(bh, T, H, C)
+    t, t_mask = _chunk_tokens(n, rows, T, C)
     k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     DT = q_ptr.dtype.element_ty
 
     q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
-    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+    g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
     scores = tl.dot(q.to(DT), tl.trans(k.to(DT)), input_precision=PREC) * _decay_matrix(g, rows, False)
     dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
     du_local = tl.dot(tl.trans(scores.to(DT)), dr, input_precision=PREC)
@@ -426,10 +447,7 @@ def _state_bwd_kernel(
     BV: tl.constexpr,
 ):
     vb, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    n_chunks = tl.cdiv(T, C)
-    padded_len = n_chunks * C
-    rows = tl.arange(0, C)
+    b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
     k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     v_in = (v_cols < DV)[None, :]
     DT = w_ptr.dtype.element_ty
@@ -441,12 +459,11 @@ def _state_bwd_kernel(
         n = n_chunks - 1 - i
         chunk_state, _ = _state_ptrs(dstates_ptr, bh * n_chunks + n, v_cols, k_cols, DV, DK)
         tl.store(chunk_state, dstate.to(DT), mask=state_mask)
-        t = n * C + rows
-        t_mask = t < T
+        t, t_mask = _chunk_tokens(n, rows, T, C)
         q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
         k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
-        g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
-        g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
+        g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
+        g_end = _chunk_end_decay(g_ptr, bh, n, padded_len, C)
         w = tl.load(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
         dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
         du_local = tl.load(_workspace_ptrs(du_local_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0)
@@ -502,22 +519,17 @@ def _grad_kernel(
     pass's part of dk waits in dk_partial (fp32, (B * H, padded_len, Dk), read back by this program
     from L2) rather than in registers, where it spilled."""
     n, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    n_chunks = tl.cdiv(T, C)
-    padded_len = n_chunks * C
-    rows = tl.arange(0, C)
-    t = n * C + rows
-    t_mask = t < T
+    b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
+    t, t_mask = _chunk_tokens(n, rows, T, C)
     k_cols = tl.arange(0, BK)
     DT = w_ptr.dtype.element_ty
 
     gates = _gate_offsets(b, h, t, T, H)
     beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
-    g_end = tl.load(g_ptr + bh.to(tl.int64) * padded_len + n * C + C - 1)
+    g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
+    g_end = _chunk_end_decay(g_ptr, bh, n, padded_len, C)
     decay = tl.exp(g)
-    square = (bh * n_chunks + n).to(tl.int64) * C * C + rows[:, None] * C + rows[None, :]
-    inverse = tl.load(inverse_ptr + square).to(DT)  # T
+    inverse = tl.load(_inverse_ptrs(inverse_ptr, bh, n, n_chunks, rows, C)).to(DT)  # T
 
     # Pass 1, UT transform: U~ = T diag(beta) V and W = T diag(beta G) K, so dB = T^T dX for X = U~, W,
     # and dA = -(dB_V U~^T + dB_K W^T) = -T^T (dU~ U~^T + dW W^T) on the strict lower triangle.
@@ -570,7 +582,7 @@ def _grad_kernel(
     t = t + tl.program_id(2)
     t_mask = t < T
     rows = t - n * C
-    g = tl.load(g_ptr + bh.to(tl.int64) * padded_len + t)
+    g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
     decay = tl.exp(g)
     d_qs = tl.zeros([C, BK], dtype=tl.float32)  # dR S: gradient of Q S^T's Q
     d_k_to_end = tl.zeros([C, BK], dtype=tl.float32)  # U dS_end

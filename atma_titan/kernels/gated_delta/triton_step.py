@@ -7,6 +7,9 @@ updates, writes them back in place and reads r for its rows from the new rows. N
 allocated but r, nothing is copied and nothing waits on the host, so the step can be captured in a
 CUDA graph (fixed addresses: the pool, the slot table and the token buffers).
 Two sequences must not share a slot in one step (their programs would race on the same rows).
+
+Only the kernel and its launcher live here; the torch.library op `atma::gated_delta_step` (with its
+PyTorch fallback on CPU) is in ops.py. Importing this module imports triton.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atma_titan.kernels.gated_delta.chunked import _contiguous, _normalize_rows
+from atma_titan.kernels.gated_delta.triton_chunked import _contiguous, _normalize_rows
 
 # Rows of M per program and warps. Memory-bound: each program streams ROWS x Dk fp32 once in and once
 # out (16-byte vector loads / stores). At B64 H8 128x128, 32 rows give B*H*Dv/32 = 2048 programs of
