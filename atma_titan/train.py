@@ -414,11 +414,12 @@ def say_header(run: Run) -> None:
     total = cfg.training.steps * run.plan.tokens_per_step
     run.say(f"  batch {run.plan.describe()}; {cfg.training.steps:,} steps = {total:,} tokens")
     ck = cfg.checkpoint
-    saves = (
-        f"checkpoints every {ck.interval} steps and at the end in {run.folder.checkpoints}"
-        if ck.enable
-        else "no checkpoints"
-    )
+    if not ck.enable:
+        saves = "no checkpoints"
+    elif ck.interval >= cfg.training.steps:
+        saves = f"a checkpoint at the end in {run.folder.checkpoints}"
+    else:
+        saves = f"checkpoints every {ck.interval} steps and at the end in {run.folder.checkpoints}"
     run.say(f"  run folder {run.folder.path}: {run.folder.config.name}, {run.folder.metrics.name}; {saves}")
 
 

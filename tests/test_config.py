@@ -76,6 +76,7 @@ def test_help_lists_every_option_with_default():
         for key in table:
             assert f"--{section}.{key} " in text
     assert "default 'debug'" in text
+    assert "--model.flavor (str {debug|atma_370m}, default 'debug')" in text  # the flavors are listed
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
@@ -106,3 +107,17 @@ def test_readme_config_reference_is_current():
     start, end = README_MARKERS
     section = readme[readme.index(start) + len(start) : readme.index(end)]
     assert section == reference_markdown(), "regenerate with: python -m atma_titan.config --update README.md"
+
+
+@pytest.mark.parametrize(
+    "command, default",
+    [
+        (["atma_titan.eval"], "(default: 2K,4K,8K,16K,32K,64K)"),
+        (["atma_titan.sweep", "run"], "(default: None)"),
+        (["atma_titan.sweep", "slurm"], "(default: 0)"),
+    ],
+)
+def test_every_command_help_shows_its_defaults(command, default):
+    proc = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert default in " ".join(proc.stdout.split())

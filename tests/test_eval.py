@@ -498,6 +498,13 @@ def test_bad_checkpoint_folder_and_missing_config_exit_2(tmp_path, run_dir, caps
     (tmp_path / "empty").mkdir()
     assert eval_main(["--checkpoint", str(tmp_path / "empty")]) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+    # A run trained without checkpoints: the message says what to change in the training command.
+    (tmp_path / "nockpt").mkdir()
+    (tmp_path / "nockpt" / "config.toml").write_text((run_dir / "config.toml").read_text())
+    (tmp_path / "nockpt" / "DONE").write_text("2\n")
+    assert eval_main(["--checkpoint", str(tmp_path / "nockpt")]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.enable = false" in err and "--checkpoint.enable true" in err
     lone = tmp_path / "lone"
     lone.mkdir()
     (lone / "w.safetensors").write_bytes((run_dir / "model.safetensors").read_bytes())

@@ -115,3 +115,26 @@ def test_command_line_runs_end_to_end(tmp_path, tokenizer):
         == 0
     )
     assert json.loads((tmp_path / "cli" / "manifest.json").read_text())["documents"] == len(texts)
+
+
+def test_the_validation_split_reports_its_real_size_and_why(tmp_path, capsys):
+    pattern, _ = corpus(tmp_path, files=2, docs=5)
+    args = ["--path", pattern, "--out", str(tmp_path / "o"), "--tokenizer", "byte", "--parts", "1", "--no-progress"]
+    assert main([*args, "--val-tokens", "10"]) == 0
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert manifest["val_tokens"] > 10  # whole documents
+    assert line == (
+        f"validation: {manifest['val_tokens']:,} tokens in 1 shard(s) (--val-tokens 10): whole documents are set "
+        "aside, so the last one runs past the limit"
+    )
+
+
+def test_help_shows_every_default():
+    proc = subprocess.run(
+        [sys.executable, "-m", "atma_titan.data.prepare", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for default in ("(default: 16)", "(default: 100000000)", "(default: gpt2)", "(default: 0)", "(default: text)"):
+        assert default in text, default
