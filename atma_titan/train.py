@@ -44,7 +44,7 @@ from atma_titan.metrics import (
     format_duration,
     peak_flops,
 )
-from atma_titan.models import ATMA, ModelArgs, build_model, initial_weights, parameter_breakdown, resolve_model_args
+from atma_titan.models import ATMA, ModelArgs, build_model, parameter_breakdown, resolve_model_args
 from atma_titan.models.atma import non_embedding_params
 from atma_titan.optim import LRSchedules, Optimizers, build_optimizers
 from atma_titan.parallel import (
@@ -141,11 +141,6 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-
-
-def initial_state_dict(cfg: JobConfig) -> dict:
-    """The initial weights of the run `cfg` describes (from its job.seed; identical at any world size)."""
-    return initial_weights(resolve_model_args(cfg.model), cfg.job.seed)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

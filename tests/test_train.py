@@ -93,9 +93,10 @@ def test_fine_tune_from_weights_and_export_safetensors(tmp_path):
     base = [*SMALL, "--metrics.stdout", "false", "--checkpoint.enable", "true"]
     train(load_config(base + ["--job.dump_folder", str(tmp_path / "pre"), "--checkpoint.export_safetensors", "true"]))
     exported = load_file(tmp_path / "pre" / "model.safetensors")
-    from atma_titan.train import initial_state_dict
+    from atma_titan.models import initial_weights, resolve_model_args
 
-    assert exported.keys() == initial_state_dict(load_config(SMALL)).keys()  # clean names, no wrapper prefixes
+    cfg = load_config(SMALL)
+    assert exported.keys() == initial_weights(resolve_model_args(cfg.model), cfg.job.seed).keys()  # clean names
     assert exported["head.weight"].shape == (512, 128)
     saved = tmp_path / "pre" / "checkpoints" / "step-3"
     # Fine-tuning: weights from another run's checkpoint, fresh optimizer and step counter.
