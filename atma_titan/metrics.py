@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from atma_titan.atomic import write_text_atomic
 from atma_titan.errors import InputError, import_optional
 from atma_titan.run_folder import METRICS_NAME, read_metrics
 
@@ -241,9 +242,7 @@ def format_stdout(step: int, metrics: dict[str, Any], eta_s: float | None = None
 def _keep_through(path: Path, step: int) -> None:
     """Rewrite metrics.jsonl without the rows after `step` (a resumed run re-logs those steps)."""
     kept = [row for row in read_metrics(path) if int(row.get("step", 0)) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
 
 
 class MetricsLogger:

@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from atma_titan.atomic import write_text_atomic
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -160,9 +162,7 @@ class RunFolder:
             return None
 
     def write_done(self, step: int) -> None:
-        tmp = self.path / f".{DONE_NAME}.tmp"
-        tmp.write_text(f"{step}\n")
-        tmp.replace(self.done)
+        write_text_atomic(self.done, f"{step}\n")
 
     def latest_checkpoint_step(self) -> int | None:
         return latest_complete_step(self.checkpoints)

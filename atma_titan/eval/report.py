@@ -15,10 +15,10 @@ touched in the caller's process.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 
+from atma_titan.atomic import write_json_atomic
 from atma_titan.errors import import_optional
 from atma_titan.eval.common import size_label
 
@@ -177,9 +177,7 @@ def write_results(results: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = {"json": out / RESULTS_JSON, "markdown": out / RESULTS_MD}
-    tmp = out / f".{RESULTS_JSON}.tmp"
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(written["json"])  # a collector never reads half a file
+    write_json_atomic(written["json"], results)  # a collector never reads half a file
     written["markdown"].write_text(results_markdown(results))
     one = {results["name"]: results}
     if results.get("needle"):

@@ -15,7 +15,7 @@ from typing import Any
 from atma_titan.errors import MissingExtraError
 from atma_titan.eval import report
 from atma_titan.eval.common import size_label
-from atma_titan.sweep.atomic import write_text_atomic
+from atma_titan.atomic import write_text_atomic
 from atma_titan.sweep.cells import CellFolder
 from atma_titan.sweep.plan import Cell, Plan, short_keys
 

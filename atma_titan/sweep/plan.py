@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from atma_titan.errors import InputError
-from atma_titan.sweep.atomic import write_json_atomic
+from atma_titan.atomic import write_json_atomic
 
 PLAN_FILE = "sweep.json"
 PLAN_VERSION = 2  # 2: absolute base, and the workdir the cells' commands run in

@@ -1,4 +1,5 @@
-"""Whole-file writes: via a temporary file and a rename, so concurrent array tasks never read half a file."""
+"""Whole-file writes: a temporary file, then a rename, so a reader (another rank, a sweep's array task, a
+collector) sees the old file or the new one, never half of one. Torch-free."""
 
 from __future__ import annotations
 
