@@ -22,7 +22,7 @@ from atma_titan.sweep.plan import Cell, Plan, SweepError, config_argv
 LOG_TAIL_LINES = 40
 
 
-class StopRequest:
+class SweepStop:
     """A stop request (SIGTERM / SIGINT) for the sweep; forwarded to the running child as SIGTERM."""
 
     signum: int | None = None
@@ -57,11 +57,11 @@ def spawn(cmd: list[str], log_path: Path) -> int:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} in {cwd or os.getcwd()} $ {shlex.join(cmd)}\n")
         log.flush()
         child = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
-        StopRequest.child = child
+        SweepStop.child = child
         try:
             return child.wait()
         finally:
-            StopRequest.child = None
+            SweepStop.child = None
 
 
 def absolute(path: Path) -> str:
@@ -113,14 +113,14 @@ def record_failure(folder: CellFolder, stage: str, reason: str, cmd: list[str], 
 
 def run_stage(stage: str, cmd: list[str], folder: CellFolder, log_name: str, check) -> tuple[bool, str]:
     """Run one stage of a cell. Returns (ok, message). `check()` says what is missing after exit 0."""
-    if StopRequest.signum is not None:  # asked to stop between two stages: do not start the next
+    if SweepStop.signum is not None:  # asked to stop between two stages: do not start the next
         return False, "stopped on request"
     log_path = folder.path / log_name
     offset = log_path.stat().st_size if log_path.exists() else 0
     start = time.monotonic()
     rc = spawn(cmd, log_path)
     elapsed = time.monotonic() - start
-    if StopRequest.signum is not None:
+    if SweepStop.signum is not None:
         return False, f"stopped on request after {elapsed:.1f} s"
     if rc == 0 and check() is None:
         return True, f"{elapsed:.1f} s"
@@ -131,7 +131,7 @@ def run_stage(stage: str, cmd: list[str], folder: CellFolder, log_name: str, che
 
 
 def report_failure(tag: str, message: str) -> str:
-    if StopRequest.signum is not None:
+    if SweepStop.signum is not None:
         print(f"{tag}: {message}; re-run to resume", flush=True)
         return "stopped"
     print(f"{tag}: FAILED: {message}", flush=True)
@@ -206,12 +206,12 @@ def run_sweep(plan: Plan, out: Path, *, cell_index: int | None, evaluate: bool, 
             "exist: run from an existing directory with the plan options and --force-plan to plan anew."
         )
     cells = plan.cells if cell_index is None else [plan.cells[cell_index]]
-    old_handlers = StopRequest.install()
-    StopRequest.signum = None
+    old_handlers = SweepStop.install()
+    SweepStop.signum = None
     outcomes: dict[str, list[str]] = {}
     try:
         for cell in cells:
-            if StopRequest.signum is not None:
+            if SweepStop.signum is not None:
                 break
             outcome = run_cell(plan, cell, out, evaluate=evaluate, launcher=launcher)
             outcomes.setdefault(outcome, []).append(cell.name)
@@ -222,8 +222,8 @@ def run_sweep(plan: Plan, out: Path, *, cell_index: int | None, evaluate: bool, 
             signal.signal(signum, handler)
     counts = ", ".join(f"{len(v)} {k}" for k, v in outcomes.items())
     print(f"sweep {out}: {len(cells)} cell(s) this run: {counts}", flush=True)
-    if StopRequest.signum is not None:
-        return 128 + StopRequest.signum
+    if SweepStop.signum is not None:
+        return 128 + SweepStop.signum
     collect(plan, out)
     if outcomes.get("failed"):
         print(f"failed: {', '.join(outcomes['failed'])} (details in each cell's FAILED)", flush=True)
