@@ -238,10 +238,10 @@ def _saved_config(folder: RunFolder) -> str | None:
 
 def _check_unclaimed(folder: RunFolder) -> None:
     """A new run may not start in a folder that holds another run's metrics or DONE marker."""
-    steps = [row["step"] for row in folder.logged_steps()]
-    if not steps and folder.done_step() is None:
+    steps, done = [row["step"] for row in folder.logged_steps()], folder.done_step()
+    if not steps and done is None:
         return
-    held = f"metrics.jsonl has steps {steps[0]}..{steps[-1]}" if steps else f"DONE at step {folder.done_step()}"
+    held = f"metrics.jsonl has steps {steps[0]}..{steps[-1]}" if steps else f"DONE at step {done}"
     raise InputError(
         f"job.dump_folder {folder.path} holds another run ({held}, config.toml differs) and no checkpoint of it "
         "to resume; choose another job.dump_folder, or remove that folder to start over"
@@ -303,7 +303,8 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
     if dims.is_main:
         prepare_folder(cfg, folder)
     with contextlib.ExitStack() as exits:  # closes what is already open if the set-up fails
-        resumed_from = start.resume_step if start.resume_step is not None else (0 if folder.metrics.is_file() else None)
+        # A run without a checkpoint continues after step 0: the rows of a restarted run are dropped.
+        resumed_from = start.resume_step if start.resume_step is not None else 0
         logger = exits.enter_context(open_logger(cfg, dims, folder, resumed_from))  # wandb fails here, before the build
         data = TrainData(cfg.data, args.vocab_size)  # a bad file or tokenizer fails before the model is built
         checkpointer = open_checkpointer(cfg, dims, folder, say)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atma_titan.eval.report import RESULTS_JSON
-from atma_titan.run_folder import RunFolder, read_metrics
+from atma_titan.run_folder import RunFolder
 from atma_titan.sweep.plan import Cell
 
 CELLS_FOLDER = "cells"
@@ -73,7 +73,7 @@ class CellFolder:
 
     def final_train_metrics(self) -> dict | None:
         """The last logged step (metrics.jsonl is appended across resumes: the last row is the newest)."""
-        steps = [row for row in read_metrics(self.run.metrics) if isinstance(row.get("loss"), (int, float))]
+        steps = [row for row in self.run.logged_steps() if isinstance(row["loss"], (int, float))]
         return steps[-1] if steps else None
 
     def latest_checkpoint_step(self) -> int | None:
