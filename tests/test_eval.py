@@ -351,6 +351,7 @@ def fake_results(name: str, shift: float) -> dict:
             "exact_acc": 0.5,
             "ce": 0.3,
             "control_ce": 2.3,
+            "mode": "teacher_forced",
         }
         for v in ("access", "passkey")
         for d in (0.0, 0.5)
@@ -370,6 +371,28 @@ def test_report_files_and_multi_model_plots(tmp_path):
     for plot, name in ((plot_needle, "n.png"), (plot_length_curves, "l.png")):
         path = plot(both, tmp_path / name)
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_with_generated_rows_and_old_rows_without_a_mode(tmp_path):
+    results = fake_results("m", 0.0)
+    for e in results["needle"]:
+        del e["mode"]  # an old results.json: teacher-forced
+    generated = [
+        {**e, "mode": "generated", "digit_acc": 0.4, "ce": None, "control_ce": None}
+        for e in fake_results("m", 0.0)["needle"]
+    ]
+    results["needle"] += generated
+    written = write_results(results, tmp_path)
+    md = (tmp_path / "results.md").read_text()
+    tf = md.index("## Induction needle (teacher-forced)")
+    gen = md.index("## Induction needle (generated, greedy free-running)")
+    assert tf < gen and "| access | 50% | 0.900 | 0.900 | 0.900 |" in md[tf:gen]
+    assert "| access | 50% | 0.400 | 0.400 | 0.400 |" in md[gen:]
+    assert "| passkey | 50% | 64K | 2 | 0.400 | 0.500 |\n" in md[gen:] + "\n"  # no CE cells
+    assert written["needle_plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    only = {"name": "g", "checkpoint": "x", "step": 1, "tokenizer": "byte", "needle": generated, "length_curve": None}
+    both = {"tf": fake_results("tf", 0.0), "gen": only}
+    assert plot_needle(both, tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,17 +426,24 @@ def run_eval(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def check_schema(results: dict, gaps, depths, variants, lengths) -> None:
+def check_schema(results: dict, gaps, depths, variants, lengths, mode="teacher_forced") -> None:
     assert set(results) == {"name", "checkpoint", "step", "tokenizer", "needle", "length_curve"}
     assert isinstance(results["name"], str) and isinstance(results["checkpoint"], str)
     assert results["tokenizer"] == "byte"
-    keys = {"variant", "gap", "depth", "trials", "digit_acc", "exact_acc", "ce", "control_ce"}
+    keys = {"variant", "gap", "depth", "trials", "digit_acc", "exact_acc", "ce", "control_ce", "mode"}
     assert [(e["variant"], e["depth"], e["gap"]) for e in results["needle"]] == [
         (v, d, g) for v in variants for d in depths for g in gaps
     ]
     for e in results["needle"]:
         assert set(e) == keys and isinstance(e["gap"], int) and isinstance(e["depth"], float)
-        assert all(isinstance(e[k], float) for k in ("digit_acc", "exact_acc", "ce", "control_ce"))
+        assert e["mode"] == mode and all(isinstance(e[k], float) for k in ("digit_acc", "exact_acc"))
+        if mode == "generated":  # no CE and no control when the model writes the value itself
+            assert e["ce"] is None and e["control_ce"] is None
+        else:
+            assert isinstance(e["ce"], float) and isinstance(e["control_ce"], float)
+    if lengths is None:
+        assert results["length_curve"] is None
+        return
     curve = results["length_curve"]
     assert set(curve) == {"lengths", "nll", "documents"} and curve["lengths"] == lengths
     assert len(curve["nll"]) == len(lengths) and all(isinstance(v, float) for v in curve["nll"])
@@ -463,6 +493,41 @@ def test_command_on_the_exported_safetensors(run_dir, tmp_path):
         assert results["length_curve"]["nll"] == pytest.approx(dcp["length_curve"]["nll"], rel=1e-5)
     for name in ("results.md", "needle.png", "length_curve.png"):
         assert (out / name).is_file()
+
+
+def test_command_generate_on_the_text_needle(run_dir, tmp_path):
+    out = tmp_path / "gen"
+    proc = run_eval(
+        "--checkpoint", str(run_dir), "--gaps", "64,128", "--trials", "3", "--depths", "0,0.5", "--generate",
+        "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "needle (generated, greedy free-running): 1 variant(s)" in proc.stdout
+    assert re.search(
+        r"needle access  gap   128 depth 0\.50 generated: digit acc [0-9.]+, exact [0-9.]+ \(", proc.stdout
+    )
+    results = json.loads((out / "results.json").read_text())
+    check_schema(results, [64, 128], [0.0, 0.5], ["access"], None, mode="generated")
+    md = (out / "results.md").read_text()
+    assert "## Induction needle (generated, greedy free-running)" in md and "teacher-forced" not in md
+    assert "| variant | depth | gap | trials | digit acc | exact 5/5 |\n" in md  # no CE columns
+    assert (out / "needle.png").stat().st_size > 0
+
+
+def test_command_generate_on_the_records_needle(run_dir, tmp_path):
+    out = tmp_path / "gen-records"
+    proc = run_eval("--checkpoint", str(run_dir), "--records", "--gaps", "256", "--trials", "4", "--generate",
+                    "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((out / "results.json").read_text())["needle"]
+    assert [(r["variant"], r["gap"], r["trials"], r["mode"]) for r in rows] == [("records", 256, 4, "generated")]
+    assert rows[0]["ce"] is None and rows[0]["control_ce"] is None and 0 <= rows[0]["digit_acc"] <= 1
+
+
+def test_generate_without_the_needle_is_bad_input(run_dir, capsys):
+    args = ["--checkpoint", str(run_dir), "--no-needle", "--length-curve", "--generate"]
+    assert eval_main(args) == 2
+    assert "--generate scores the needle" in capsys.readouterr().err
 
 
 def test_checkpoint_paths_resolve(run_dir):

@@ -1,4 +1,5 @@
-"""Evaluation (docs/model.md section 7): the teacher-forced induction needle and the length curve.
+"""Evaluation (docs/model.md section 7): the induction needle (teacher-forced, or generated free-running
+with `--generate`) and the length curve.
 
     python -m atma_titan.eval --checkpoint <run>/ --gaps 2K,4K,...,64K --length-curve
 
@@ -9,7 +10,7 @@
 * `length`: mean NLL per token on nested prefixes of the same long documents, one forward pass
   per document at the longest length, the head applied in chunks;
 * `corpus`: the passkey filler and long documents from the run's data (text, HF, .bin, synthetic);
-* `loading`: checkpoint path -> weights + run config -> model on one device;
+* `loading`: checkpoint path -> weights + run config (+ tokenizer) -> model on one device;
 * `report`: results.json / results.md / plots, and multi-model plots for sweeps (torch-free);
 * `common`: the bad-input error and size parsing (torch-free); `inference`: the eval-mode context.
 
@@ -24,7 +25,7 @@ _EXPORTS = {
     "common": ["EvalInputError", "parse_sizes", "size_label"],
     "corpus": ["FILLER", "DocumentHaystack", "FillerHaystack", "LongDocuments", "corpus_from_config"],
     "length": ["LengthCurve", "length_curve", "length_sequences", "nested_prefix_nll", "token_losses"],
-    "loading": ["load_eval_model", "load_run_config", "resolve_checkpoint"],
+    "loading": ["load_eval_model", "load_run_config", "open_checkpoint", "resolve_checkpoint"],
     "needle": [
         "DigitTokens",
         "NeedleResult",

@@ -2,7 +2,7 @@
 
     python -m atma_titan.eval --checkpoint PATH [--config FILE.toml] [--step N] [--out DIR]
         [--gaps 2048,4096,...] [--depths 0,0.1,0.5,0.9] [--trials 20] [--seed 0] [--passkey]
-        [--haystack filler|data] [--allow-concat] [--no-needle]
+        [--haystack filler|data] [--records] [--generate] [--allow-concat] [--no-needle]
         [--length-curve] [--lengths 2K,4K,...] [--documents 8]
         [--device auto] [--max-length 65536] [--batch-tokens N] [--attention-block N] [--name LABEL]
 
@@ -10,31 +10,42 @@ PATH: a DCP step directory, a run's checkpoint folder (its newest complete step,
 run's dump folder, or an exported .safetensors file. The model is built from the run's
 config.toml (or --config), unsharded on one device. Writes results.json, results.md, needle.png
 and length_curve.png to --out (default <run>/eval/). Bad input exits with status 2 and a message.
+
+The needle is teacher-forced by default: one greedy prediction per value digit with the true digits
+fed, plus its CE and the control's CE. `--generate` reads it the way passkeys usually are: the model is
+given the sequence up to the query's value and writes the value itself, greedily and free-running, with
+the generation engine's KV cache (atma_titan.inference); the tokens it writes are compared with the
+value (digit acc: each digit in its place; exact: the whole value, the byte tokenizer's spaces
+included). No CE and no control then; the needle rows of results.json say "mode": "generated"
+(teacher-forced ones "teacher_forced"). With --records the same holds for the synthetic record's value
+after its `MARK key`. On CUDA the Linear weights are then stored in bf16 for the engine (what autocast
+computes anyway).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from atma_titan.data import check_vocab
+import torch
+
 from atma_titan.data.synthetic import SyntheticSource
-from atma_titan.data.tokenizer import build_tokenizer
 from atma_titan.device import resolve_device
 from atma_titan.errors import InputError
 from atma_titan.eval.common import EvalInputError, parse_sizes, size_label
 from atma_titan.eval.corpus import DocumentHaystack, FillerHaystack, LongDocuments, corpus_from_config
 from atma_titan.eval.length import length_curve, length_sequences
-from atma_titan.eval.loading import ResolvedCheckpoint, load_eval_model, load_run_config, resolve_checkpoint
+from atma_titan.eval.loading import ResolvedCheckpoint, load_eval_model, open_checkpoint
 from atma_titan.eval.needle import NEEDLE_SLACK, digit_tokens, run_needle
 from atma_titan.eval.records import run_records
 from atma_titan.eval.report import write_results
 from atma_titan.known_warnings import silence_known_warnings
-from atma_titan.models import ModelArgs, resolve_model_args
+from atma_titan.models import ModelArgs
 
 DEFAULT_GAPS = "2K,4K,8K,16K,32K,64K"
 DEFAULT_LENGTHS = "2K,4K,8K,16K,32K,64K"
@@ -43,8 +54,8 @@ DEFAULT_LENGTHS = "2K,4K,8K,16K,32K,64K"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m atma_titan.eval",
-        description="Induction needle (teacher-forced) and length curve of an ATMA checkpoint (docs/model.md "
-        "section 7).",
+        description="Induction needle (teacher-forced, or generated with --generate) and length curve of an ATMA "
+        "checkpoint (docs/model.md section 7).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--checkpoint", required=True, help="step dir, checkpoint folder, dump folder, or .safetensors")
@@ -62,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--records",
         action="store_true",
         help="the needle in the built-in synthetic language (for models trained on data.source = synthetic)",
+    )
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="score the value the model generates (greedy, free-running, with the KV cache) after the query's cue "
+        "instead of teacher-forced digits: digit and exact accuracy, no CE and no control; results say "
+        'mode "generated"',
     )
     p.add_argument("--allow-concat", action="store_true", help="join documents with EOT when none is long enough")
     p.add_argument("--no-needle", action="store_true", help="skip the needle (e.g. for a length curve only)")
@@ -124,6 +142,10 @@ def check_arguments(args: argparse.Namespace) -> Request:
         raise EvalInputError("--trials and --documents must be >= 1")
     if not needle_on and not args.length_curve:
         raise EvalInputError("nothing to do: --no-needle without --length-curve")
+    if args.batch_tokens < 1:
+        raise EvalInputError(f"--batch-tokens must be >= 1, got {args.batch_tokens}")
+    if args.generate and not needle_on:
+        raise EvalInputError("--generate scores the needle: drop --no-needle, or --generate")
     if args.attention_block is not None and args.attention_block < 1:
         raise EvalInputError(f"--attention-block must be >= 1, got {args.attention_block}")
     return Request(gaps, lengths, depths)
@@ -142,13 +164,11 @@ class Inputs:
 
 def open_inputs(args: argparse.Namespace, request: Request) -> Inputs:
     """Checkpoint, config, tokenizer, digits and data are all checked before the model loads."""
-    resolved = resolve_checkpoint(args.checkpoint, args.step)
-    cfg = load_run_config(resolved, args.config)
-    if args.attention_block:
-        cfg.model.attention_block = args.attention_block  # a tiling choice of the reference kernel only
-    model_args = resolve_model_args(cfg.model)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    check_vocab(cfg.data.tokenizer, tokenizer.vocab_size, model_args.vocab_size)
+    opened = open_checkpoint(args.checkpoint, args.step, args.config)
+    resolved, cfg, tokenizer = opened.resolved, opened.cfg, opened.tokenizer
+    model_args = opened.model_args
+    if args.attention_block:  # a tiling choice of the reference kernel only
+        model_args = dataclasses.replace(model_args, attention_block=args.attention_block)
     if args.records and cfg.data.source != "synthetic":
         raise EvalInputError(
             f"--records probes the synthetic source's language; this run trained on "
@@ -175,14 +195,19 @@ def needle_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
     if not request.gaps:
         return []
     gaps_text = ", ".join(map(size_label, request.gaps))
+    how = "generated, greedy free-running" if args.generate else "teacher-forced"
+    if args.generate and next(model.parameters()).device.type == "cuda":
+        from atma_titan.inference import cast_for_inference
+
+        cast_for_inference(model, torch.bfloat16)  # as the generate command does; autocast computes in bf16 anyway
     if args.records:
         source = SyntheticSource(
             inputs.model_args.vocab_size, eot_id=inputs.tokenizer.eot_id, seed=inputs.cfg.data.seed
         )
-        print(f"needle: synthetic records, gaps {gaps_text}, {args.trials} trials each", flush=True)
+        print(f"needle ({how}): synthetic records, gaps {gaps_text}, {args.trials} trials each", flush=True)
         results = run_records(
             model, source, gaps=request.gaps, trials=args.trials, seed=args.seed, batch_tokens=args.batch_tokens,
-            progress=_progress,
+            progress=_progress, generate=args.generate,
         )  # fmt: skip
         return [r.as_dict() for r in results]
     if args.haystack == "filler":
@@ -197,13 +222,14 @@ def needle_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
         haystack = DocumentHaystack(docs)
     variants = ["access"] + (["passkey"] if args.passkey else [])
     print(
-        f"needle: {len(variants)} variant(s) x {len(request.depths)} depth(s) x gaps {gaps_text}, "
+        f"needle ({how}): {len(variants)} variant(s) x {len(request.depths)} depth(s) x gaps {gaps_text}, "
         f"{args.trials} trials each, haystack: {haystack.describe}",
         flush=True,
     )
     results = run_needle(
         model, inputs.tokenizer, haystack, gaps=request.gaps, depths=request.depths, variants=variants,
         trials=args.trials, seed=args.seed, batch_tokens=args.batch_tokens, progress=_progress,
+        generate=args.generate,
     )  # fmt: skip
     return [r.as_dict() for r in results]
 

@@ -23,8 +23,10 @@ import torch
 
 from atma_titan.checkpoint import load_model_only, load_safetensors
 from atma_titan.config import JobConfig, load_config
+from atma_titan.data import check_vocab
+from atma_titan.data.tokenizer import build_tokenizer
 from atma_titan.eval.common import EvalInputError
-from atma_titan.models import ATMA, ModelArgs, build_model
+from atma_titan.models import ATMA, ModelArgs, build_model, resolve_model_args
 from atma_titan.run_folder import (
     COMPLETE_NAME,
     CONFIG_NAME,
@@ -36,7 +38,14 @@ from atma_titan.run_folder import (
     step_of,
 )
 
-__all__ = ["ResolvedCheckpoint", "load_eval_model", "load_run_config", "resolve_checkpoint"]
+__all__ = [
+    "OpenCheckpoint",
+    "ResolvedCheckpoint",
+    "load_eval_model",
+    "load_run_config",
+    "open_checkpoint",
+    "resolve_checkpoint",
+]
 
 
 @dataclass
@@ -131,3 +140,23 @@ def load_eval_model(args: ModelArgs, resolved: ResolvedCheckpoint, device: torch
     else:
         load_model_only(model, resolved.path)
     return model.eval()
+
+
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint and what its run says about it: the config, the model's shape and the tokenizer."""
+
+    resolved: ResolvedCheckpoint
+    cfg: JobConfig
+    model_args: ModelArgs
+    tokenizer: object
+
+
+def open_checkpoint(path: str | Path, step: int | None = None, config: str | Path | None = None) -> OpenCheckpoint:
+    """Resolve `path`, read its run config, and build and check its tokenizer; loads no weights."""
+    resolved = resolve_checkpoint(path, step)
+    cfg = load_run_config(resolved, config)
+    model_args = resolve_model_args(cfg.model)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    check_vocab(cfg.data.tokenizer, tokenizer.vocab_size, model_args.vocab_size)
+    return OpenCheckpoint(resolved, cfg, model_args, tokenizer)

@@ -1,4 +1,4 @@
-"""The induction needle, teacher-forced (docs/model.md section 7).
+"""The induction needle, teacher-forced or generated (docs/model.md section 7).
 
 Protocol, one trial::
 
@@ -32,6 +32,18 @@ so each digit must be one token. Two kinds of tokenizer qualify (`digit_tokens`)
 
 Any other split (e.g. " 3" -> [" ", "3" split again], or a digit merged with the space into two
 unrelated pieces) raises `EvalInputError` naming the digit and its tokens.
+
+Generated (`generate=True`, the eval command's --generate). The model reads the needle sequence up to
+the query's value (everything before its first value token) and writes the value greedily, free-running,
+with the generation engine's cache (`atma_titan.inference.Generator`, no EOT stop): as many new tokens as
+the value has (with the byte tokenizer the spaces too, 10 tokens for 5 digits). Digit accuracy is the
+fraction of digits whose generated token at the digit's place (the `DigitTokens.encode` offsets) is the
+digit; exact accuracy the fraction of trials whose whole generated value is the expected tokens (spaces
+included). There is no CE and no control (`ce` and `control_ce` are None); the rows say
+`mode = "generated"`, teacher-forced ones `mode = "teacher_forced"`. While the generated prefix is right,
+each generated token is the teacher-forced argmax at that place (up to rounding: cached decoding and a
+full forward may break a near-tie differently in bf16), so the two modes part only at the model's first
+mistake: teacher forcing feeds the true token and goes on, generation continues from its own.
 """
 
 from __future__ import annotations
@@ -51,7 +63,9 @@ from atma_titan.eval.corpus import FillerHaystack
 
 __all__ = [
     "ACCESS_CUE",
+    "GENERATED",
     "PASSKEY_CUE",
+    "TEACHER_FORCED",
     "VARIANTS",
     "DigitTokens",
     "NeedleResult",
@@ -59,12 +73,15 @@ __all__ = [
     "build_needle",
     "digit_tokens",
     "evaluate_needle",
+    "generate_greedy",
+    "generated_scores",
     "haystack_tokens_needed",
     "needle_cue",
     "quick_needle",
     "run_needle",
     "sample_needle",
     "score_batch",
+    "score_generated",
 ]
 
 ACCESS_CUE = " The access code for record {record} is"
@@ -77,6 +94,7 @@ RECORD_DIGITS = 7
 # the same for every trial.
 NEEDLE_SLACK = 128
 DEFAULT_BATCH_TOKENS = 1 << 17  # tokens per forward pass: 2 sequences at 64K, 64 at 2K
+TEACHER_FORCED, GENERATED = "teacher_forced", "generated"  # the `mode` of a result row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +176,17 @@ class NeedleTrial:
     target_ids: np.ndarray  # the scored digit token at each target position
     needle_at: int  # position of the first cue's first token in `tokens`
     query_at: int  # position of the query cue's first token
+    value_at: int  # position of the query's first value token: `tokens[:value_at]` is the generation prompt
+
+    @property
+    def value(self) -> np.ndarray:
+        """The query's value tokens (what generation must write)."""
+        return self.tokens[self.value_at :]
+
+    @property
+    def value_offsets(self) -> np.ndarray:
+        """The scored digit tokens' offsets within `value`."""
+        return self.targets - self.value_at
 
 
 def sample_needle(seed: int, trial: int) -> tuple[int, tuple[int, ...]]:
@@ -219,6 +248,7 @@ def build_needle(
         target_ids=np.asarray([table.scored[d] for d in digits], dtype=np.int64),
         needle_at=1 + k,
         query_at=len(needle) - len(block),
+        value_at=value_at,
     )
 
 
@@ -275,9 +305,78 @@ def _score_sequences(
     return np.concatenate(preds), np.concatenate(ces)
 
 
+def generate_greedy(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    *,
+    max_batch: int,
+    prefill_chunk: int = 2048,
+    use_cache: bool = True,
+) -> np.ndarray:
+    """Greedy free-running continuations (N, new_tokens) of `prompts`, with the generation engine.
+
+    Never stops early (no EOT). At most `max_batch` sequences decode at once; each prompt is prefilled
+    in chunks of `prefill_chunk` tokens. `use_cache=False` recomputes the full forward for every token
+    (the engine's check path; it also runs models without a cache, such as the tests' hand-made ones).
+    The model's train/eval mode is restored.
+    """
+    from atma_titan.inference import Generator, Request  # only generation needs the engine
+
+    was_training = model.training
+    try:
+        engine = Generator(
+            model, max_batch=max(1, min(max_batch, len(prompts))), max_context=max(map(len, prompts)) + new_tokens,
+            prefill_chunk=max(1, prefill_chunk), eot_id=None, use_cache=use_cache,
+        )  # fmt: skip
+        requests = [Request([int(t) for t in p], new_tokens, i) for i, p in enumerate(prompts)]
+        out = [[] for _ in prompts]
+        for event in engine.generate(requests):
+            out[event.index].append(event.token)
+    finally:
+        model.train(was_training)
+    if any(len(row) != new_tokens for row in out):
+        raise RuntimeError(f"the generation engine stopped a sequence before {new_tokens} new tokens")
+    return np.asarray(out, dtype=np.int64).reshape(len(prompts), new_tokens)
+
+
+def score_generated(
+    generated: np.ndarray, expected: np.ndarray, offsets: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K) bool: generated == expected at the K scored `offsets` of each value (N, L); (N,) bool: all L equal.
+
+    The second counts every token of the value (the spaces between byte-tokenizer digits too).
+    """
+    generated, expected = np.asarray(generated), np.asarray(expected)
+    if generated.shape != expected.shape:
+        raise ValueError(f"generated {generated.shape} and expected {expected.shape} values differ in shape")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    return generated[:, offsets] == expected[:, offsets], (generated == expected).all(axis=1)
+
+
+def generated_scores(
+    model: nn.Module,
+    prompts: Sequence[np.ndarray],
+    expected: Sequence[np.ndarray],
+    offsets: Sequence[int],
+    batch_tokens: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Generate each prompt's value (as many tokens as `expected` has) and score it (`score_generated`)."""
+    value_len = len(expected[0])
+    longest = max(len(p) for p in prompts) + value_len
+    generated = generate_greedy(
+        model, prompts, value_len, max_batch=max(1, batch_tokens // longest), prefill_chunk=batch_tokens
+    )
+    return score_generated(generated, np.stack(expected), offsets)
+
+
 @dataclass
 class NeedleResult:
-    """One condition, as written to results.json (`asdict`)."""
+    """One condition, as written to results.json (`asdict`).
+
+    mode "teacher_forced": greedy argmax per digit with the true digits fed, CE and (optionally) the
+    control's CE; mode "generated": the value written free-running, no CE (None) and no control.
+    """
 
     variant: str
     gap: int
@@ -285,15 +384,17 @@ class NeedleResult:
     trials: int
     digit_acc: float
     exact_acc: float
-    ce: float
+    ce: float | None
     control_ce: float | None
+    mode: str = TEACHER_FORCED
 
     def line(self) -> str:
+        head = f"needle {self.variant:<7} gap {size_label(self.gap):>5} depth {self.depth:.2f}"
+        acc = f"digit acc {self.digit_acc:.3f}, exact {self.exact_acc:.3f}"
+        if self.mode == GENERATED:
+            return f"{head} generated: {acc}"
         control = "" if self.control_ce is None else f", control CE {self.control_ce:.3f}"
-        return (
-            f"needle {self.variant:<7} gap {size_label(self.gap):>5} depth {self.depth:.2f}: "
-            f"digit acc {self.digit_acc:.3f}, exact {self.exact_acc:.3f}, CE {self.ce:.3f}{control}"
-        )
+        return f"{head} teacher-forced: {acc}, CE {self.ce:.3f}{control}"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -313,8 +414,13 @@ def evaluate_needle(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     device: torch.device | None = None,
     digit_table: DigitTokens | None = None,
+    generate: bool = False,
 ) -> NeedleResult:
-    """Run `trials` trials of one (variant, gap, depth) condition; `haystack.tokens(trial, n)` gives text."""
+    """Run `trials` trials of one (variant, gap, depth) condition; `haystack.tokens(trial, n)` gives text.
+
+    generate: score the value the model writes free-running (`generate_greedy`, on the model's device)
+    instead of teacher-forced; `control` is then ignored (there is none).
+    """
     if trials < 1:
         raise EvalInputError(f"trials must be >= 1, got {trials}")
     table = digit_table or digit_tokens(tokenizer)
@@ -327,6 +433,15 @@ def evaluate_needle(
                 tokenizer, hay, gap, record=record, digits=digits, depth=depth, variant=variant, digit_table=table
             )
         )
+    if generate:
+        hits, exact = generated_scores(
+            model, [t.tokens[: t.value_at] for t in built], [t.value for t in built], built[0].value_offsets,
+            batch_tokens,
+        )  # fmt: skip
+        return NeedleResult(
+            variant, int(gap), float(depth or 0.0), trials, float(hits.mean()), float(exact.mean()), None, None,
+            mode=GENERATED,
+        )  # fmt: skip
     sequences = [t.tokens for t in built] + ([t.control for t in built] if control else [])
     targets = [t.targets for t in built] * (2 if control else 1)
     target_ids = [t.target_ids for t in built] * (2 if control else 1)
@@ -357,8 +472,12 @@ def run_needle(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     device: torch.device | None = None,
     progress: Callable[[str], None] | None = print,
+    generate: bool = False,
 ) -> list[NeedleResult]:
-    """Every (variant, depth, gap) condition, gaps innermost; one progress line per condition."""
+    """Every (variant, depth, gap) condition, gaps innermost; one progress line per condition.
+
+    generate: the generated mode (see `evaluate_needle`), else teacher-forced with the control.
+    """
     table = digit_tokens(tokenizer)  # fail before any model work on a tokenizer that splits digits
     results = []
     for variant in variants:
@@ -378,6 +497,7 @@ def run_needle(
                     batch_tokens=batch_tokens,
                     device=device,
                     digit_table=table,
+                    generate=generate,
                 )
                 results.append(result)
                 if progress:

@@ -3,9 +3,13 @@
 results.json (read by the sweep collector; keep the schema)::
 
     {"name": str, "checkpoint": str, "step": int | null, "tokenizer": str,
-     "needle": [{"variant": "access" | "passkey", "gap": int, "depth": float, "trials": int,
-                 "digit_acc": float, "exact_acc": float, "ce": float, "control_ce": float}, ...],
+     "needle": [{"variant": "access" | "passkey" | "records", "gap": int, "depth": float, "trials": int,
+                 "digit_acc": float, "exact_acc": float, "ce": float | null, "control_ce": float | null,
+                 "mode": "teacher_forced" | "generated"}, ...],
      "length_curve": {"lengths": [int], "nll": [float], "documents": int} | null}
+
+`mode` "generated" (eval --generate): the digits the model wrote free-running; its `ce` and
+`control_ce` are null. A row without `mode` (results written before it existed) is teacher-forced.
 
 `plot_needle` and `plot_length_curves` take {name: results dict} and draw every model on one
 figure, so a sweep can compare its cells. matplotlib is imported only when a plot is drawn, and
@@ -27,19 +31,33 @@ __all__ = ["needle_markdown", "plot_length_curves", "plot_needle", "results_mark
 RESULTS_JSON, RESULTS_MD, NEEDLE_PNG, LENGTH_PNG = "results.json", "results.md", "needle.png", "length_curve.png"
 
 
-def _condition(entry: dict) -> tuple[str, float]:
-    return entry["variant"], float(entry["depth"])
+TEACHER_FORCED, GENERATED = "teacher_forced", "generated"  # as in atma_titan.eval.needle (torch-free here)
+MODE_TITLE = {TEACHER_FORCED: "teacher-forced", GENERATED: "generated, greedy free-running"}
+
+
+def _mode(entry: dict) -> str:
+    return entry.get("mode") or TEACHER_FORCED
+
+
+def _condition(entry: dict) -> tuple[str, str, float]:
+    return _mode(entry), entry["variant"], float(entry["depth"])
 
 
 def _depth_label(depth: float) -> str:
     return "before haystack" if depth == 0 else f"{depth:.0%}"
 
 
-def _by_condition(needle: list[dict]) -> dict[tuple[str, float], list[dict]]:
-    groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
+def _by_condition(needle: list[dict]) -> dict[tuple[str, str, float], list[dict]]:
+    """(mode, variant, depth) -> its rows by gap; teacher-forced conditions first."""
+    groups: dict[tuple[str, str, float], list[dict]] = defaultdict(list)
     for entry in needle:
         groups[_condition(entry)].append(entry)
-    return {k: sorted(v, key=lambda e: e["gap"]) for k, v in sorted(groups.items())}
+    order = sorted(groups.items(), key=lambda kv: (kv[0][0] != TEACHER_FORCED,) + kv[0])
+    return {k: sorted(v, key=lambda e: e["gap"]) for k, v in order}
+
+
+def _number(value) -> str:
+    return "" if value is None else f"{value:.3f}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,37 +72,39 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def needle_markdown(needle: list[dict]) -> str:
-    """Per-digit accuracy by gap (columns) for each variant and depth, then every number per condition."""
+    """Per-digit accuracy by gap (columns) for each variant and depth, then every number per condition;
+    one such section per scoring mode present (teacher-forced, generated)."""
     gaps = sorted({e["gap"] for e in needle})
     groups = _by_condition(needle)
-    summary = []
-    for (variant, depth), entries in groups.items():
-        acc = {e["gap"]: f"{e['digit_acc']:.3f}" for e in entries}
-        summary.append([variant, _depth_label(depth)] + [acc.get(g, "") for g in gaps])
-    detail = []
-    for (variant, depth), entries in groups.items():
-        for e in entries:
-            control = "" if e.get("control_ce") is None else f"{e['control_ce']:.3f}"
-            detail.append(
-                [
-                    variant,
-                    _depth_label(depth),
-                    size_label(e["gap"]),
-                    str(e["trials"]),
-                    f"{e['digit_acc']:.3f}",
-                    f"{e['exact_acc']:.3f}",
-                    f"{e['ce']:.3f}",
-                    control,
-                ]
+    sections = []
+    for mode in dict.fromkeys(m for m, _, _ in groups):
+        summary, detail = [], []
+        for (_, variant, depth), entries in ((k, v) for k, v in groups.items() if k[0] == mode):
+            acc = {e["gap"]: f"{e['digit_acc']:.3f}" for e in entries}
+            summary.append([variant, _depth_label(depth)] + [acc.get(g, "") for g in gaps])
+            for e in entries:
+                row = [variant, _depth_label(depth), size_label(e["gap"]), str(e["trials"])]
+                row += [f"{e['digit_acc']:.3f}", f"{e['exact_acc']:.3f}"]
+                if mode != GENERATED:
+                    row += [_number(e.get("ce")), _number(e.get("control_ce"))]
+                detail.append(row)
+        header = ["variant", "depth", "gap", "trials", "digit acc", "exact 5/5"]
+        if mode == GENERATED:
+            note = (
+                "the value written greedily after the query's cue, free-running; exact: every value token right, "
+                "the spaces between digits included; no CE"
             )
-    return "\n\n".join(
-        [
-            "## Induction needle: per-digit accuracy by gap",
+        else:
+            note = "CE in nats over the 5 value digits; control: the same sequence without the needle"
+            header += ["CE", "control CE"]
+        title = MODE_TITLE.get(mode, mode)
+        sections += [
+            f"## Induction needle ({title}): per-digit accuracy by gap",
             _table(["variant", "depth"] + [size_label(g) for g in gaps], summary),
-            "### Every condition (CE in nats over the 5 value digits; control: the same sequence without the needle)",
-            _table(["variant", "depth", "gap", "trials", "digit acc", "exact 5/5", "CE", "control CE"], detail),
+            f"### Every condition ({note})",
+            _table(header, detail),
         ]
-    )
+    return "\n\n".join(sections)
 
 
 def results_markdown(results: dict) -> str:
@@ -126,18 +146,23 @@ def _log2_axis(ax, values: list[int]) -> None:
 
 
 def plot_needle(results_by_name: dict[str, dict], path: str | Path) -> Path:
-    """Per-digit accuracy vs gap (log2 axis): one line per model x variant x depth."""
+    """Per-digit accuracy vs gap (log2 axis): one line per model x variant x depth x mode (generated: dashed)."""
     fig, ax = _figure()
     several = len(results_by_name) > 1
     gaps: list[int] = []
     for name, results in results_by_name.items():
         groups = _by_condition(results.get("needle") or [])
         name_it, condition_it = several, len(groups) > 1 or not several  # label only what tells lines apart
-        for (variant, depth), entries in groups.items():
+        for (mode, variant, depth), entries in groups.items():
             label = ([name] if name_it else []) + ([variant, f"depth {_depth_label(depth)}"] if condition_it else [])
+            if mode != TEACHER_FORCED:
+                label.append(f"({mode})")
             xs = [e["gap"] for e in entries]
             gaps += xs
-            ax.plot(xs, [e["digit_acc"] for e in entries], marker="o", label=" ".join(label))
+            ax.plot(
+                xs, [e["digit_acc"] for e in entries], marker="o", label=" ".join(label),
+                linestyle="--" if mode == GENERATED else "-",
+            )  # fmt: skip
     if gaps:
         _log2_axis(ax, gaps)
     ax.set_ylim(-0.02, 1.02)

@@ -28,8 +28,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(args.d_model, args.norm_eps)
         self.mlp = MLP(args.d_model, args.mlp_hidden, args.mlp)
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mixed, aux = self.mixer(self.norm1(h))
+    def forward(self, h: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mixed, aux = self.mixer(self.norm1(h), cache)
         h = h + mixed
         return h + self.mlp(self.norm2(h)), aux
 
@@ -44,21 +44,25 @@ class ATMA(nn.Module):
         self.norm = RMSNorm(args.d_model, args.norm_eps)
         self.head = SoftcapHead(args.d_model, args.vocab_size, args.logit_softcap)
 
-    def forward(self, tokens: torch.Tensor, return_aux: bool = False):
-        """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss."""
-        h, aux = self.trunk(tokens)
+    def forward(self, tokens: torch.Tensor, return_aux: bool = False, cache=None):
+        """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss.
+
+        cache (generation): an `atma_titan.inference` StepCache. The tokens then continue sequences
+        whose earlier tokens it holds (keys and values, conv and memory states), and it is updated.
+        """
+        h, aux = self.trunk(tokens, cache)
         logits = self.head(h)
         return (logits, aux) if return_aux else logits
 
-    def trunk(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def trunk(self, tokens: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens (B, T) -> final-normed hidden states (B, T, d) and the summed auxiliary loss.
 
         Evaluation at long lengths applies `head` to slices of these, never holding (T x vocab) logits.
         """
         h = self.embed(tokens)
         aux_total = None
-        for block in self.blocks.values():
-            h, aux = block(h)
+        for i, block in self.blocks.items():
+            h, aux = block(h, None if cache is None else cache.layer(int(i)))
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
         return self.norm(h), aux_total

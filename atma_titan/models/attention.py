@@ -5,6 +5,10 @@ grows like the max of n noise logits, a length temperature, and two outputs: a u
 (what was found) and a bounded count mag (how much was found):
 
     out = W_o(concat_h(c) * sigmoid(gate)) + W_mu(mag) + memory
+
+With a cache (generation, `atma_titan.inference`) the same block continues cached sequences: a
+prefill chunk attends over every cached key (the kernels take queries at an offset), a decode step
+reads the keys from the cache's pages with the paged decode kernel (Polar) or its plain path (softmax).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.kernels.polar import polar_attention, polar_scalars
+from atma_titan.kernels.paged import softmax_decode
+from atma_titan.kernels.polar import polar_attention, polar_decode, polar_scalars
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import CausalDepthwiseConv, rms_norm, rotary
 from atma_titan.models.memory import GatedDeltaMemory
@@ -56,7 +61,7 @@ class GlobalAttention(nn.Module):
         if self.memory is not None:
             self.memory.zero_output()
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project_qkv(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, ...]:
         """x (B, T, d) -> q, gate (B, T, H, D) and k, v (B, T, Hkv, D), normalised and position-mixed."""
         a = self.args
         B, T, _ = x.shape
@@ -65,38 +70,60 @@ class GlobalAttention(nn.Module):
         v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim)
         q, k = rms_norm(q, a.norm_eps), rms_norm(k, a.norm_eps)  # ||q||^2 = ||k||^2 = D
         if a.position == "rope":
-            q, k = rotary(q, a.rope_theta), rotary(k, a.rope_theta)
+            positions = None if cache is None else cache.positions
+            q, k = rotary(q, a.rope_theta, positions), rotary(k, a.rope_theta, positions)
         if a.canon:
-            q = q + self.canon_q(q.flatten(2)).view_as(q)
-            k = k + self.canon_k(k.flatten(2)).view_as(k)
-            v = v + self.canon_v(v.flatten(2)).view_as(v)
+
+            def state(name):
+                return None if cache is None else cache.state(name)
+
+            q = q + self.canon_q(q.flatten(2), state("canon_q")).view_as(q)
+            k = k + self.canon_k(k.flatten(2), state("canon_k")).view_as(k)
+            v = v + self.canon_v(v.flatten(2), state("canon_v")).view_as(v)
         return q, gate, k, v
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """cache (generation): the block's `atma_titan.inference` LayerCache (pages and states)."""
         a = self.args
         B, T, _ = x.shape
-        q, gate, k, v = self.project_qkv(x)
+        q, gate, k, v = self.project_qkv(x, cache)
         aux = None
         if a.attention == "polar":
-            c, mag = self.polar(q, k, v)
+            c, mag = self.polar(q, k, v, cache)
             out = self.o_proj((c * torch.sigmoid(gate)).reshape(B, T, -1)) + self.mu_proj(mag.to(x.dtype))
             if a.distractor_weight > 0 and self.training:
                 aux = a.distractor_weight * self.distractor_loss(q)
         else:
-            o = softmax_attention(q, k, v, a.window)
+            o = self.softmax(q, k, v, cache)
             out = self.o_proj((o * torch.sigmoid(gate)).reshape(B, T, -1))
         if self.memory is not None:
-            out = out + self.memory(x, q, k, v)
+            out = out + self.memory(x, q, k, v, cache)
         return out, aux
 
-    def polar(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def polar(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The Polar core: direction c (B, T, H, D) and count mag (B, T, H), by the configured kernel."""
         a = self.args
         scalars = (self.len_gain, self.null_base, self.null_slope, self.mag_beta, self.v_null)
+        if cache is not None and cache.decoding:  # one token per sequence, keys read from the pages
+            c, mag = polar_decode(
+                q[:, 0], *cache.append_kv(k, v), *scalars, window=a.window, impl=a.attention_impl,
+                what="model.attention_impl",
+            )  # fmt: skip
+            return c[:, None], mag[:, None]
+        if cache is not None:  # a prefill chunk: the queries are the last T of all cached keys
+            k, v = cache.extend_kv(k, v)
         return polar_attention(
             q, k, v, *scalars, window=a.window, impl=a.attention_impl, block_q=a.attention_block,
             block_k=a.attention_block, what="model.attention_impl",
         )  # fmt: skip
+
+    def softmax(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> torch.Tensor:
+        """Softmax attention (the ablation) over the block's keys, or the cached keys as well."""
+        if cache is not None and cache.decoding:
+            return softmax_decode(q[:, 0], *cache.append_kv(k, v), window=self.args.window)[:, None]
+        if cache is not None:
+            k, v = cache.extend_kv(k, v)
+        return softmax_attention(q, k, v, self.args.window)
 
     def distractor_loss(self, q: torch.Tensor) -> torch.Tensor:
         """Mean softmax mass that R random keys take from the null entry, at each query's own n.
@@ -119,15 +146,21 @@ class GlobalAttention(nn.Module):
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
-    """Causal softmax attention on (B, T, H, D) with GQA, optionally limited to the last `window` keys."""
+    """Causal softmax attention with GQA, optionally limited to the last `window` keys.
+
+    q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk: the queries are the last Tq key positions.
+    """
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     group = q.shape[2] // k.shape[2]
     if group > 1:  # explicit expansion: enable_gqa is not available on every backend we run
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
-    if window:
-        T = q.shape[1]
-        i = torch.arange(T, device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    tq, tk = q.shape[1], k.shape[1]
+    if window or tq != tk:
+        i = torch.arange(tk - tq, tk, device=q.device)[:, None]  # query positions
+        j = torch.arange(tk, device=q.device)[None, :]
+        mask = j <= i
+        if window:
+            mask &= j > i - window
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
     else:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)

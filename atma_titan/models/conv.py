@@ -22,9 +22,11 @@ class GatedShortConv(nn.Module):
         self.conv = CausalDepthwiseConv(d, args.conv_kernel)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(self, h: torch.Tensor, cache=None) -> tuple[torch.Tensor, None]:
+        """cache (generation): the block's `atma_titan.inference` LayerCache, holding the conv state."""
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
-        return self.out_proj(c * self.conv(b * x)), None
+        state = None if cache is None else cache.state("conv")
+        return self.out_proj(c * self.conv(b * x, state)), None
 
     def zero_output(self) -> None:
         nn.init.zeros_(self.out_proj.weight)

@@ -1,4 +1,8 @@
-"""Small building blocks shared by the ATMA blocks: RMSNorm, causal depthwise convolution, RoPE, MLP."""
+"""Small building blocks shared by the ATMA blocks: RMSNorm, causal depthwise convolution, RoPE, MLP.
+
+The convolution and RoPE also continue a sequence during generation: the convolution takes its last
+k - 1 inputs from a state (instead of zero padding) and RoPE takes the tokens' absolute positions.
+"""
 
 from __future__ import annotations
 
@@ -38,11 +42,17 @@ class CausalDepthwiseConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel))
         self.reset_parameters()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
+    def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:  # x: (B, T, C)
+        """`state` (generation): a view of the sequences' last k - 1 inputs (B, k - 1, C) with read() and
+        write(); they stand in for the zero padding and are replaced by the new last k - 1 inputs."""
         # A sum of k shifted products: elementwise work that torch.compile fuses, where a grouped
         # conv1d call is a slow, unfused kernel for kernels this short.
         T, k = x.shape[1], self.kernel
-        padded = F.pad(x, (0, 0, k - 1, 0))
+        if state is None:
+            padded = F.pad(x, (0, 0, k - 1, 0))
+        else:
+            padded = torch.cat([state.read().to(x.dtype), x], dim=1)
+            state.write(padded[:, padded.shape[1] - (k - 1) :])
         w = self.weight.to(x.dtype)
         y = padded[:, k - 1 : k - 1 + T] * w[:, k - 1]
         for j in range(k - 1):
@@ -55,12 +65,17 @@ class CausalDepthwiseConv(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding on (B, T, H, D), rotating the two halves of D (positions 0..T-1)."""
+def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding on (B, T, H, D), rotating the two halves of D.
+
+    positions: the tokens' absolute positions (B, T); None means 0..T-1 for every sequence.
+    """
     T, D = x.shape[1], x.shape[-1]
     inv_freq = theta ** (-torch.arange(0, D // 2, device=x.device, dtype=torch.float32) / (D // 2))
-    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    if positions is None:
+        positions = torch.arange(T, device=x.device)[None, :]
+    angles = positions.float()[..., None] * inv_freq  # (B or 1, T, D/2)
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atma_titan.kernels.gated_delta import gated_delta
+from atma_titan.kernels.gated_delta import gated_delta, gated_delta_step_
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import rms_norm
 
@@ -37,21 +37,35 @@ class GatedDeltaMemory(nn.Module):
         self.gate = nn.Linear(args.d_model, inner)
         self.proj = nn.Linear(inner, args.d_model)
 
-    def forward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """x: block input (B, T, d); q: (B, T, H, dk); k, v: (B, T, Hkv, dk), expanded here to H heads."""
+    def forward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> torch.Tensor:
+        """x: block input (B, T, d); q: (B, T, H, dk); k, v: (B, T, Hkv, dk), expanded here to H heads.
+
+        cache (generation): the block's LayerCache; the recurrence starts from its memory state.
+        """
         B, T, H, D = q.shape
         group = H // k.shape[2]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         log_gamma = F.logsigmoid(self.gamma_proj(x).float() + RETENTION_OFFSET) + self.log_gamma_max
         beta = torch.sigmoid(self.beta_proj(x).float())
-        r = self.recurrence(q, k, v, log_gamma, beta)
+        r = self.recurrence(q, k, v, log_gamma, beta, cache)
         gate = torch.sigmoid(self.gate(x)).view(B, T, H, D)
         return self.proj((rms_norm(r) * gate).reshape(B, T, H * D))
 
-    def recurrence(self, q, k, v, log_gamma, beta) -> torch.Tensor:
-        """r_t = M_t q_t over the whole sequence from a zero state, by the configured kernel."""
-        r, _ = gated_delta(q, k, v, log_gamma, beta, impl=self.impl, chunk_size=self.chunk, what="model.memory_impl")
+    def recurrence(self, q, k, v, log_gamma, beta, cache=None) -> torch.Tensor:
+        """r_t = M_t q_t by the configured kernel: over the whole sequence from a zero state, or on from
+        the cache's state (a prefill chunk: chunked form, final state stored; a decode step: in place)."""
+        if cache is not None and cache.decoding:
+            state = cache.state("memory")
+            step = (x[:, 0] for x in (q, k, v, log_gamma, beta))
+            return gated_delta_step_(state.pool, state.slots, *step)[:, None]
+        state = None if cache is None else cache.state("memory")
+        r, final = gated_delta(
+            q, k, v, log_gamma, beta, impl=self.impl, chunk_size=self.chunk, what="model.memory_impl",
+            initial_state=None if state is None else state.read(),
+        )  # fmt: skip
+        if state is not None:
+            state.write(final)
         return r
 
     def zero_output(self) -> None:

@@ -14,6 +14,9 @@ queries are the last Tq of the Tk key positions (query i sits at position Tk - T
 
 `polar_attention_naive` materialises the Tq x Tk weights: ground truth for tests, autograd backward.
 
+`polar_decode_reference` is one decode query per sequence over a paged KV cache (kernels/paged.py):
+the naive form's last row, over gathered pages; the ground truth of the paged decode kernel.
+
 `polar_attention_reference` is the streaming form the Triton kernel mirrors. Forward, per query, over key
 tiles: running max m of the real-key logits a_j = temp s_j, l = sum e^(a-m), q2 = sum e^(2(a-m)),
 acc = sum e^(a-m) v. The null is folded in once at the end through keep = 1 - w_N = l / Z =
@@ -42,12 +45,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from atma_titan.kernels.paged import gather_pages, key_mask
+
 NORM_EPS = 1e-6
 
 __all__ = [
     "NORM_EPS",
     "polar_attention_naive",
     "polar_attention_reference",
+    "polar_decode_reference",
     "polar_scalars",
     "visible_key_counts",
 ]
@@ -97,6 +103,22 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _check_head_params(h, d, len_gain, null_base, null_slope, mag_beta, v_null, window) -> None:
+    """The per-head scalars (H,), v_null (H, D) and the window, for H query heads of size D."""
+    for name, p in (
+        ("len_gain", len_gain),
+        ("null_base", null_base),
+        ("null_slope", null_slope),
+        ("mag_beta", mag_beta),
+    ):
+        if p.shape != (h,):
+            raise ValueError(f"{name} must have shape ({h},), got {tuple(p.shape)}")
+    if v_null.shape != (h, d):
+        raise ValueError(f"v_null must have shape ({h}, {d}), got {tuple(v_null.shape)}")
+    if window < 0:
+        raise ValueError("window must be >= 0 (0 means no window)")
+
+
 def _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, T, H, D)")
@@ -110,18 +132,7 @@ def _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
         raise ValueError(f"query heads {h} must be a multiple of KV heads {hkv}")
     if tq > tk:
         raise ValueError(f"Tq={tq} queries cannot exceed Tk={tk} keys")
-    for name, p in (
-        ("len_gain", len_gain),
-        ("null_base", null_base),
-        ("null_slope", null_slope),
-        ("mag_beta", mag_beta),
-    ):
-        if p.shape != (h,):
-            raise ValueError(f"{name} must have shape ({h},), got {tuple(p.shape)}")
-    if v_null.shape != (h, d):
-        raise ValueError(f"v_null must have shape ({h}, {d}), got {tuple(v_null.shape)}")
-    if window < 0:
-        raise ValueError("window must be >= 0 (0 means no window)")
+    _check_head_params(h, d, len_gain, null_base, null_slope, mag_beta, v_null, window)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,6 +175,94 @@ def polar_attention_naive(q, k, v, len_gain, null_base, null_slope, mag_beta, v_
     m_eff = n_eff * real_mass
     mag = torch.tanh(F.softplus(mag_beta.to(cd))[:, None] * torch.log1p(m_eff))
     return c.transpose(1, 2).to(q.dtype), mag.transpose(1, 2).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode reference: one query per sequence over a paged KV cache
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_decode_inputs(
+    q, k_pages, v_pages, block_table, context_lens, len_gain, null_base, null_slope, mag_beta, v_null, window
+) -> None:
+    """Shapes and dtypes of a paged decode call (layouts in `polar_decode_reference`); no data is read."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be (B, H, D), got {tuple(q.shape)}")
+    if k_pages.dim() != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"k_pages, v_pages must both be (num_pages, page_size, Hkv, D), got {tuple(k_pages.shape)} and "
+            f"{tuple(v_pages.shape)}"
+        )
+    b, h, d = q.shape
+    _, page_size, hkv, dk = k_pages.shape
+    if dk != d:
+        raise ValueError(f"q head_dim {d} and the pages' head_dim {dk} differ")
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"query heads {h} must be a multiple of KV heads {hkv}")
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be (B={b}, max_blocks >= 1), got {tuple(block_table.shape)}")
+    if context_lens.shape != (b,):
+        raise ValueError(f"context_lens must have shape ({b},), got {tuple(context_lens.shape)}")
+    for name, x in (("block_table", block_table), ("context_lens", context_lens)):
+        if x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an integer tensor (int32), got {x.dtype}")
+    _check_head_params(h, d, len_gain, null_base, null_slope, mag_beta, v_null, window)
+
+
+def _check_decode_lengths(context_lens: torch.Tensor, capacity: int) -> None:
+    """1 <= context_lens <= max_blocks * page_size. Reads the values: CPU tensors only (no device sync)."""
+    if context_lens.device.type != "cpu" or context_lens.numel() == 0:
+        return
+    lo, hi = int(context_lens.min()), int(context_lens.max())
+    if lo < 1 or hi > capacity:
+        raise ValueError(f"context_lens must lie in [1, max_blocks * page_size = {capacity}], got [{lo}, {hi}]")
+
+
+def polar_decode_reference(
+    q, k_pages, v_pages, block_table, context_lens, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0
+):
+    """Polar attention of one decode query per sequence over a paged KV cache (plain PyTorch).
+
+    q (B, H, D); k_pages, v_pages (num_pages, page_size, Hkv, D); block_table (B, max_blocks) int32
+    (block_table[b, j] holds positions j * page_size .. (j + 1) * page_size - 1 of sequence b);
+    context_lens (B,) int32 >= 1. The query of sequence b sits at position context_lens[b] - 1 and sees
+    keys 0 .. context_lens[b] - 1 (its own key is already cached), the last `window` of them when
+    window > 0, so n_b = min(context_lens[b], window): the last row of `polar_attention_naive` over the
+    same keys. Query head h reads KV head h // (H // Hkv). len_gain, null_base, null_slope, mag_beta (H,)
+    and v_null (H, D) are the raw parameters. Returns c (B, H, D) and mag (B, H) in q's dtype, computed in
+    float32 (float64 for float64 q). The pages are gathered and masked (kernels/paged.py), so every entry
+    of the block table must be a valid page index.
+    """
+    _check_decode_inputs(
+        q, k_pages, v_pages, block_table, context_lens, len_gain, null_base, null_slope, mag_beta, v_null, window
+    )
+    b, h, d = q.shape
+    hkv = k_pages.shape[2]
+    _check_decode_lengths(context_lens, block_table.shape[1] * k_pages.shape[1])
+    cd = compute_dtype(q.dtype)
+    k = gather_pages(k_pages, block_table).to(cd)  # (B, T, Hkv, D)
+    v = gather_pages(v_pages, block_table).to(cd)
+    visible = key_mask(context_lens, k.shape[1], window)  # (B, T)
+
+    qg = q.to(cd).reshape(b, hkv, h // hkv, d)  # query head h = kv * G + g
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k).reshape(b, h, -1) / math.sqrt(d)  # (B, H, T)
+    n = context_lens.to(cd)
+    if window > 0:
+        n = n.clamp_max(window)
+    temp, null = polar_scalars(n[:, None], len_gain.to(cd), null_base.to(cd), null_slope.to(cd))  # (B, H)
+    key_logits = (temp[..., None] * scores).masked_fill(~visible[:, None, :], float("-inf"))
+    weights = torch.softmax(torch.cat([key_logits, (temp * null)[..., None]], dim=-1), dim=-1)
+    w_keys, w_null = weights[..., :-1], weights[..., -1]
+
+    s_vec = torch.einsum("bkgt,btkd->bkgd", w_keys.reshape(b, hkv, h // hkv, -1), v).reshape(b, h, d)
+    s_vec = s_vec + w_null[..., None] * v_null.to(cd)
+    c = s_vec / s_vec.norm(dim=-1, keepdim=True).clamp_min(NORM_EPS)
+    real_mass = w_keys.sum(-1)
+    n_eff = 1.0 / ((w_keys / real_mass[..., None]) ** 2).sum(-1)
+    mag = torch.tanh(F.softplus(mag_beta.to(cd)) * torch.log1p(n_eff * real_mass))
+    return c.to(q.dtype), mag.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from atma_titan.kernels.backends import AUTOTUNE, INTERPRET, built_for_interpreter
+from atma_titan.kernels.polar.triton_math import log1p, sigmoid, tanh_nonneg
 
 # constexpr globals: the only kind a @triton.jit function may read
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -109,29 +110,6 @@ def _visible_counts(q_pos, window):
     n = q_pos + 1
     n = tl.where(window > 0, tl.minimum(n, window), n)
     return n.to(tl.float32)
-
-
-@triton.jit
-def _sigmoid(x):
-    """Overflow-free logistic function."""
-    z = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1.0 / (1.0 + z), z / (1.0 + z))
-
-
-@triton.jit
-def _log1p(x):
-    """log(1 + x) that keeps its relative precision for tiny x (x >= 0)."""
-    u = 1.0 + x
-    tiny = u == 1.0
-    return tl.where(tiny, x, tl.log(u) * (x / tl.where(tiny, 1.0, u - 1.0)))
-
-
-@triton.jit
-def _tanh_nonneg(x):
-    """tanh for x >= 0 without libdevice; a series below 1e-2 keeps small values exact."""
-    e = tl.exp(-2.0 * x)
-    series = x * (1.0 - x * x * (1.0 / 3.0 - x * x * (2.0 / 15.0)))
-    return tl.where(x < 1e-2, series, (1.0 - e) / (1.0 + e))
 
 
 @triton.jit
@@ -385,14 +363,14 @@ def polar_fwd_kernel(
     q2 = tl.where(q2 > 0, q2, 1.0)
     lse = (m + tl.math.log2(l)) * LN2
     null_logit = temp * (tl.load(NULL_BASE + h) + tl.load(SP_GAMMA + h) * tl.sqrt(tl.log(1.0 + n)))
-    keep = _sigmoid(lse - null_logit)
-    w_null = _sigmoid(null_logit - lse)
+    keep = sigmoid(lse - null_logit)
+    w_null = sigmoid(null_logit - lse)
     v_null = tl.load(V_NULL + h * HEAD_DIM + offs_d)
     s_vec = acc * (keep / l)[:, None] + w_null[:, None] * v_null[None, :]
     s_norm = tl.sqrt(tl.sum(s_vec * s_vec, 1))
     c = s_vec / tl.maximum(s_norm, NORM_EPS)[:, None]
     n_eff = l * l / q2
-    mag = _tanh_nonneg(tl.load(SP_BETA + h) * _log1p(n_eff * keep))
+    mag = tanh_nonneg(tl.load(SP_BETA + h) * log1p(n_eff * keep))
 
     c_tile = _tile(C + b * stride_cb + h * stride_ch, Tq, start_m, stride_ct, BLOCK_M, HEAD_DIM)
     _store_tile(c_tile, c)
@@ -474,12 +452,12 @@ def polar_bwd_preamble_kernel(
     n = _visible_counts(Tk - Tq + offs_m, window)
     temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(n)
     null_logit = temp * (tl.load(NULL_BASE + h) + tl.load(SP_GAMMA + h) * tl.sqrt(tl.log(1.0 + n)))
-    keep = _sigmoid(lse - null_logit)
-    w_null = _sigmoid(null_logit - lse)
+    keep = sigmoid(lse - null_logit)
+    w_null = sigmoid(null_logit - lse)
     m_eff = n_eff * keep
-    log1p_m_eff = _log1p(m_eff)
+    log1p_m_eff = log1p(m_eff)
     sp_beta = tl.load(SP_BETA + h)
-    mag = _tanh_nonneg(sp_beta * log1p_m_eff)
+    mag = tanh_nonneg(sp_beta * log1p_m_eff)
 
     # c = s_vec / max(||s_vec||, eps): project out the radial part unless the norm was clamped
     clamped_norm = tl.maximum(s_norm, NORM_EPS)
