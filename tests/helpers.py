@@ -248,3 +248,23 @@ EVAL_TRAIN = [
     "--checkpoint.export_safetensors",
     "true",
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation
+
+
+def perturbed_debug_model(device=torch.device("cpu"), seed: int = 1, **overrides):
+    """The debug model (with `overrides` of its ModelArgs) whose zero-initialised weights are made random,
+    so every block shapes the output (the initial weights zero the residual outputs: all logits 0)."""
+    import dataclasses
+
+    from atma_titan.models import FLAVORS, build_model
+
+    model = build_model(dataclasses.replace(FLAVORS["debug"], **overrides), device, seed=0)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if torch.all(p == 0):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()

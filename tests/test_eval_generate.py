@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import HandModel, Induction
+from helpers import HandModel, Induction, perturbed_debug_model
 
 from atma_titan.data.synthetic import SyntheticSource
 from atma_titan.data.tokenizer import ByteTokenizer
@@ -29,7 +29,6 @@ from atma_titan.eval.needle import (
     score_generated,
 )
 from atma_titan.eval.records import evaluate_records
-from atma_titan.models import FLAVORS, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -132,13 +131,7 @@ def test_records_generated_by_perfect_recall(monkeypatch):
 @pytest.fixture(scope="module")
 def atma():
     """The debug model with its zero-initialised weights perturbed, so every block shapes the output."""
-    model = build_model(FLAVORS["debug"], torch.device("cpu"), seed=0)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if torch.all(p == 0):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
+    return perturbed_debug_model(seed=0)
 
 
 def test_generated_tokens_are_the_teacher_forced_argmax_of_their_own_prefix(atma):

@@ -7,35 +7,20 @@ GPU tests (skipped without CUDA): the decode step replayed from a CUDA graph equ
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import EVAL_TRAIN
+from helpers import EVAL_TRAIN, perturbed_debug_model
 
 from atma_titan.config import load_config
 from atma_titan.generate import TextStream, main
 from atma_titan.inference import CacheFullError, Generator, ModelCache, Request, Sampling, allowed_tokens, sample
-from atma_titan.models import FLAVORS, build_model
 
 REPO = Path(__file__).resolve().parents[1]
-CPU = torch.device("cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-def random_model(device=CPU, **overrides):
-    """The debug model with every weight random (the initial weights zero the outputs: all logits 0)."""
-    args = dataclasses.replace(FLAVORS["debug"], **overrides)
-    model = build_model(args, device, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if torch.all(p == 0):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
 
 
 PROMPTS = [list(range(1, 18)), [5, 6, 7], [300, 2, 9, 41, 8, 8, 7, 100, 3]]
@@ -63,7 +48,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cache_matches_full_forward(variant):
     """Prefill in chunks across page boundaries, then decode: every step's logits equal the full forward's."""
-    model = random_model(**VARIANTS[variant])
+    model = perturbed_debug_model(**VARIANTS[variant])
     requests = [Request(p, 12, i) for i, p in enumerate(PROMPTS)]
     cached, full = run(model, requests), run(model, requests, use_cache=False)
     for i in range(len(PROMPTS)):
@@ -79,7 +64,7 @@ def test_cache_matches_full_forward(variant):
 
 def test_batch_generates_what_each_prompt_generates_alone():
     """Three prompts, two slots (continuous batching: the third waits), equal to each run alone."""
-    model = random_model()
+    model = perturbed_debug_model()
     together = run(model, [Request(p, 10, i) for i, p in enumerate(PROMPTS)], max_batch=2)
     for i, prompt in enumerate(PROMPTS):
         alone = run(model, [Request(prompt, 10, i)], max_batch=1)[i]
@@ -90,7 +75,7 @@ def test_batch_generates_what_each_prompt_generates_alone():
 
 
 def test_greedy_and_seeded_sampling_are_deterministic():
-    model = random_model()
+    model = perturbed_debug_model()
     requests = [Request(p, 8, i) for i, p in enumerate(PROMPTS)]
     greedy = [run(model, requests)[i] for i in range(3)]
     assert [[e.token for e in g] for g in greedy] == [
@@ -105,7 +90,7 @@ def test_greedy_and_seeded_sampling_are_deterministic():
 
 
 def test_eot_stops_a_sequence_and_frees_its_cache():
-    model = random_model()
+    model = perturbed_debug_model()
     first = run(model, [Request(PROMPTS[0], 5)])[0][0].token  # the greedy first token: make it the EOT
     engine = Generator(model, max_batch=2, max_context=64, page_size=4, eot_id=first)
     free = engine.cache.free_pages
@@ -118,7 +103,7 @@ def test_eot_stops_a_sequence_and_frees_its_cache():
 
 def test_small_pool_runs_prompts_one_after_another():
     """A pool with room for one sequence at a time still finishes every prompt, each as if alone."""
-    model = random_model()
+    model = perturbed_debug_model()
     pages = math.ceil((len(PROMPTS[0]) + 6) / 4)
     requests = [Request(p, 6, i) for i, p in enumerate(PROMPTS)]
     narrow = run(model, requests, max_batch=3, num_pages=pages + 1)
@@ -127,7 +112,7 @@ def test_small_pool_runs_prompts_one_after_another():
 
 
 def test_requests_that_cannot_fit_are_refused_before_any_token():
-    model = random_model()
+    model = perturbed_debug_model()
     engine = Generator(model, max_batch=2, max_context=20, page_size=4)
     events = engine.generate([Request([1, 2, 3], 4, 0), Request(list(range(1, 19)), 4, 1)])
     with pytest.raises(CacheFullError, match="prompt 1 .18 tokens . 4 new. needs 22 tokens"):
@@ -276,7 +261,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("attention", ["polar", "softmax"])
 def test_cuda_graph_decode_matches_eager(attention):
     """Replaying the captured decode step (with padding rows) gives the eager step's logits and tokens."""
-    model = random_model(torch.device("cuda"), attention=attention)
+    model = perturbed_debug_model(torch.device("cuda"), attention=attention)
     requests = [Request(p, 16, i) for i, p in enumerate(PROMPTS)]
     graphed = run(model, requests, max_batch=4, cuda_graphs=True)
     eager = run(model, requests, max_batch=4, cuda_graphs=False)
@@ -289,7 +274,7 @@ def test_cuda_graph_decode_matches_eager(attention):
 
 @needs_cuda
 def test_compiled_cuda_graph_decode_matches_eager():
-    model = random_model(torch.device("cuda"))
+    model = perturbed_debug_model(torch.device("cuda"))
     requests = [Request(p, 8, i) for i, p in enumerate(PROMPTS)]
     compiled = run(model, requests, max_batch=4, compile=True)
     eager = run(model, requests, max_batch=4, cuda_graphs=False)
@@ -302,7 +287,7 @@ def test_compiled_cuda_graph_decode_matches_eager():
 def test_cuda_generation_follows_the_full_forward():
     """bf16 on the GPU: each cached step's logits stay within bf16 rounding of the full forward over the
     same tokens (teacher-forced on what the cached run generated)."""
-    model = random_model(torch.device("cuda"))
+    model = perturbed_debug_model(torch.device("cuda"))
     cached = run(model, [Request(p, 8, i) for i, p in enumerate(PROMPTS)], max_batch=4)
     for i, prompt in enumerate(PROMPTS):
         tokens = prompt + [e.token for e in cached[i]][:-1]
