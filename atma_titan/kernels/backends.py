@@ -25,6 +25,7 @@ __all__ = [
     "INTERPRET",
     "autotune_choices",
     "built_for_interpreter",
+    "kernel_module",
     "triton_installed",
     "triton_runs_on",
     "use_triton",
@@ -89,3 +90,23 @@ def autotune_choices(module) -> dict[str, list[str]]:
             if picked:
                 choices[name] = sorted(str(config) for config in picked)
     return choices
+
+
+def kernel_module(module: str, device: torch.device, kernel: str, probe: str, reference: str):
+    """Import the Triton kernel module `module` (e.g. "atma_titan.kernels.polar.triton_attention") for tensors
+    on `device`, or raise RuntimeError saying why it cannot run. `kernel` names it in the messages,
+    `probe` is one of its @triton.jit functions (to tell whether it was built for the interpreter) and
+    `reference` what to call instead."""
+    if device.type == "cpu" and not INTERPRET:
+        raise RuntimeError(
+            f"{kernel} runs on CPU only under TRITON_INTERPRET=1 (set before triton is imported); use "
+            f"{reference} on CPU instead"
+        )
+    try:
+        kernels = importlib.import_module(module)
+    except ImportError as err:  # pragma: no cover - depends on the machine
+        raise RuntimeError(f"{kernel} needs triton; use {reference} instead") from err
+    if device.type == "cpu" and not built_for_interpreter(getattr(kernels, probe)):
+        name = module.rsplit(".", 1)[-1]
+        raise RuntimeError(f"{name} was imported before TRITON_INTERPRET=1 was set; set it before importing")
+    return kernels

@@ -32,18 +32,10 @@ def supports_decode_dtype(dtype: torch.dtype) -> bool:
 
 def _kernels(device: torch.device):
     """The Triton decode module, after checking it can run on `device`."""
-    if device.type == "cpu" and not backends.INTERPRET:
-        raise RuntimeError(
-            "the Triton Polar decode kernel runs on CPU only under TRITON_INTERPRET=1 (set before triton is "
-            "imported); use atma_titan.kernels.polar.polar_decode_reference on CPU instead"
-        )
-    try:
-        from atma_titan.kernels.polar import triton_decode
-    except ImportError as err:  # pragma: no cover - depends on the machine
-        raise RuntimeError("the Triton Polar decode kernel needs triton; use polar_decode_reference instead") from err
-    if device.type == "cpu" and not backends.built_for_interpreter(triton_decode.polar_decode_kernel):
-        raise RuntimeError("triton_decode was imported before TRITON_INTERPRET=1 was set; set it before importing")
-    return triton_decode
+    return backends.kernel_module(
+        "atma_titan.kernels.polar.triton_decode", device, "the Triton Polar decode kernel",
+        "polar_decode_kernel", "atma_titan.kernels.polar.polar_decode_reference",
+    )  # fmt: skip
 
 
 @torch.library.custom_op("atma::polar_decode", mutates_args=())

@@ -44,21 +44,11 @@ def _check_head_dim(d: int) -> None:
 
 def _kernels(device: torch.device):
     """The Triton module, after checking it can run on `device`."""
-    if device.type == "cpu" and not backends.INTERPRET:
-        raise RuntimeError(
-            "the Triton Polar attention kernel runs on CPU only under TRITON_INTERPRET=1 (set before triton is "
-            "imported); use atma_titan.kernels.polar.polar_attention_reference (the PyTorch reference) on CPU "
-            "instead"
-        )
-    try:
-        from atma_titan.kernels.polar import triton_attention
-    except ImportError as err:  # pragma: no cover - depends on the machine
-        raise RuntimeError(
-            "the Triton Polar attention kernel needs triton; use polar_attention_reference instead"
-        ) from err
-    if device.type == "cpu" and not triton_attention.INTERPRETED:
-        raise RuntimeError("triton_attention was imported before TRITON_INTERPRET=1 was set; set it before importing")
-    return triton_attention
+    return backends.kernel_module(
+        "atma_titan.kernels.polar.triton_attention", device, "the Triton Polar attention kernel",
+        "polar_bwd_preamble_kernel",
+        "atma_titan.kernels.polar.polar_attention_reference (the PyTorch reference)",
+    )  # fmt: skip
 
 
 @torch.library.custom_op("atma::polar_attention_fwd", mutates_args=())

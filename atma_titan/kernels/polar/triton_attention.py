@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atma_titan.kernels.backends import AUTOTUNE, INTERPRET, built_for_interpreter
+from atma_titan.kernels.backends import AUTOTUNE, INTERPRET
 from atma_titan.kernels.polar.triton_math import log1p, sigmoid, tanh_nonneg
 
 # constexpr globals: the only kind a @triton.jit function may read
@@ -782,11 +782,6 @@ def polar_bwd_dkdv_kernel(
             )
     _store_tile(_tile(DK + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), dk)
     _store_tile(_tile(DV + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), dv)
-
-
-# Whether triton built these kernels for its interpreter (it decides when @triton.jit runs): ops.py
-# refuses CPU tensors when this module was imported without TRITON_INTERPRET=1.
-INTERPRETED = built_for_interpreter(polar_bwd_preamble_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
