@@ -10,7 +10,8 @@ folder, an exported .safetensors file); the model and tokenizer come from the ru
 Each prompt starts with the EOT id, as every training document does. `--prompt` streams the text
 to stdout as it is produced; `--prompts` reads one JSON object per line ({"prompt": "..."}, or a
 bare JSON string) and writes one JSON line per prompt, as each finishes, to --out (default stdout):
-{"index", "prompt", "text", "prompt_tokens", "new_tokens", "finish": "eot" | "length", "seconds"}.
+{"index", "prompt", "text", "prompt_tokens", "new_tokens", "finish": "eot" | "length", "seconds"}
+("seconds": from the prompt's first new token, which follows its prefill, to its last).
 `--temperature 0` is greedy decoding. `--no-cache` recomputes the full forward for every token
 (slow; for checking the cache). `--compile` compiles the decode step (worth it for long outputs).
 Bad input exits with status 2 and a message.
