@@ -1,7 +1,7 @@
 """Decode benchmarks on CUDA. `kernel`: the paged Polar decode kernel against SDPA over a contiguous cache.
 
     python benchmarks/decode.py kernel [--shapes 32x32768,64x4096,8x65536,1x65536] [--page-sizes 16,256]
-                                       [--runs 30] [--out PATH]
+                                       [--runs 30] [--rounds 3] [--out PATH]
 
 Kernel shape: 8 query / 2 KV heads, head_dim 128, bf16, one decode query per sequence, every sequence
 at the full context (batch x context). Per shape and page size, in the same process:
@@ -16,7 +16,8 @@ at the full context (batch x context). Per shape and page size, in the same proc
 Timing: each contender is captured in a CUDA graph that calls it once on each of `copies` distinct
 caches (copies chosen so one replay touches >= 512 MiB, several times the 50 MiB L2, so every call
 reads cold data and launch overhead is excluded); a run is one replay timed with CUDA events, divided
-by `copies`; the reported time is the median of --runs runs (after 3 warm-up replays). The copy is
+by `copies`; a round's time is the median of --runs runs (after 3 warm-up replays), and every contender of
+a shape is timed once per round in --rounds interleaved rounds, the median round reported. The copy is
 launched eagerly instead (in a graph `copy_` becomes a memcpy node on a copy engine, ~2/3 of the kernel
 copy's bandwidth; a copy this large has no launch overhead to hide). Bandwidth = K/V bytes read
 (B * T * Hkv * D * 2 tensors * 2 bytes) / time; the copy also reports read + write bytes. Results go
@@ -238,34 +239,50 @@ def run_kernel(args) -> dict:
     shapes = parse_shapes(args.shapes)
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
     n_sms = triton_decode.sm_count(torch.device("cuda"))
+    block_n = triton_decode.tile_config(torch.device("cuda"), HEAD_DIM, 2)[0]
     rows = []
     for batch, context in shapes:
         nbytes = kv_bytes(batch, context)
+        # every contender once per round, rounds interleaved so a slow spell of the machine hits them all
+        times: dict[str, list[float]] = {}
+        errors: dict[str, str] = {}
+        for _ in range(args.rounds):
+            times.setdefault("copy", []).append(time_copy(nbytes, args.runs))
+            for backend in SDPA_BACKENDS:
+                if backend in errors:
+                    continue
+                try:
+                    backend_us = time_sdpa(batch, context, args.runs, backend)
+                except Exception as err:  # a backend that does not take this case
+                    errors[backend] = f"{type(err).__name__}: {str(err)[:200]}"
+                    torch.cuda.empty_cache()
+                else:
+                    times.setdefault(backend, []).append(backend_us)
+            for page_size in page_sizes:
+                times.setdefault(str(page_size), []).append(time_paged(batch, context, page_size, args.runs))
+        us = {name: statistics.median(runs) for name, runs in times.items()}
         row = {"batch": batch, "context": context, "kv_bytes": nbytes, "copies": copies_for(nbytes)}
-        copy_us = time_copy(nbytes, args.runs)
-        row["copy"] = {"us": copy_us, "read_tb_per_s": nbytes / copy_us / 1e6}
+        row["copy"] = {"us": us["copy"], "read_tb_per_s": nbytes / us["copy"] / 1e6, "rounds_us": times["copy"]}
         row["copy"]["rw_tb_per_s"] = 2 * row["copy"]["read_tb_per_s"]
-        row["sdpa"] = {}
-        for backend in SDPA_BACKENDS:
-            try:
-                us = time_sdpa(batch, context, args.runs, backend)
-                row["sdpa"][backend] = {"us": us, "tb_per_s": nbytes / us / 1e6}
-            except Exception as err:  # a backend that does not take this case
-                row["sdpa"][backend] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-                torch.cuda.empty_cache()
+        row["sdpa"] = {
+            backend: {"error": errors[backend]}
+            if backend in errors
+            else {"us": us[backend], "tb_per_s": nbytes / us[backend] / 1e6, "rounds_us": times[backend]}
+            for backend in SDPA_BACKENDS
+        }
         ok = {k: v for k, v in row["sdpa"].items() if "us" in v}
         best = min(ok, key=lambda k: ok[k]["us"]) if ok else None
         row["sdpa_best"] = best
         row["paged"] = {}
         for page_size in page_sizes:
-            us = time_paged(batch, context, page_size, args.runs)
+            paged_us = us[str(page_size)]
             max_blocks = -(-context // page_size)
-            block_n = triton_decode.tile_config(torch.device("cuda"), HEAD_DIM, 2)[0]
             splits, pps = triton_decode.decode_split(batch, KV_HEADS, max_blocks, page_size, n_sms, block_n=block_n)
-            entry = {"us": us, "tb_per_s": nbytes / us / 1e6, "num_splits": splits, "pages_per_split": pps}
+            entry = {"us": paged_us, "tb_per_s": nbytes / paged_us / 1e6, "num_splits": splits, "pages_per_split": pps}
+            entry["rounds_us"] = times[str(page_size)]
             if best:
-                entry["x_sdpa"] = ok[best]["us"] / us
-            entry["x_copy_read"] = row["copy"]["us"] / us
+                entry["x_sdpa"] = ok[best]["us"] / paged_us
+            entry["x_copy_read"] = row["copy"]["us"] / paged_us
             row["paged"][str(page_size)] = entry
         rows.append(row)
         print_kernel_row(row)
@@ -300,6 +317,7 @@ def add_kernel_args(parser):
     parser.add_argument("--shapes", default=KERNEL_SHAPES, help="batch x context list, e.g. 32x32768,1x65536")
     parser.add_argument("--page-sizes", default="16,256")
     parser.add_argument("--runs", type=int, default=30, help="replays per median")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median round is reported")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_kernel-<gpu>.json)")
 
 
@@ -323,7 +341,8 @@ def main() -> None:
         "dtype": "bfloat16",
         "args": vars(args),
         "timing": "median of --runs CUDA-graph replays (CUDA events), each calling the op once on each of "
-        "`copies` distinct caches (>= 512 MiB per replay, cold L2); time per call",
+        "`copies` distinct caches (>= 512 MiB per replay, cold L2); time per call; the median of --rounds "
+        "interleaved rounds (rounds_us)",
     }
     if args.part == "kernel":
         print_kernel_header()

@@ -64,9 +64,15 @@ MIN_SPLIT_KEYS = 256
 # merge: splits per first-level bucket (1 x 64K has 256 splits per group: 16 buckets of 16), and the fp32
 # elements of one fold step's acc tile (GP heads x splits x D). The folds of the last bucket and of the
 # buckets are on the critical path, one dependent L2 round trip per step: 4096 (8 splits at G 4, D 128) was
-# ~1 us faster at 1 x 64K than 2048 and stays within 128 registers (4 programs per SM); 8192 does not
+# ~1 us faster at 1 x 64K than 2048 and stays within 128 registers (4 programs per SM). Launches of at least
+# LONG_MERGE_SPLITS splits, where the merge is a large part of a short launch, fold a whole bucket per step
+# (LONG_MERGE_TILE_ELEMS) with registers capped at LONG_MERGE_REGISTERS so 4 programs still fit an SM (the
+# cold fold spills a little): +2-4% at 1 x 64K; 1-2% slower at batch >= 32 (A/B in docs/kernels.md)
 MERGE_BUCKET = 16
 MERGE_TILE_ELEMS = 4096
+LONG_MERGE_SPLITS = 64
+LONG_MERGE_TILE_ELEMS = 8192
+LONG_MERGE_REGISTERS = 128
 # load the next tile's page ids one tile ahead, off the K/V loads' critical path: off, since with 4096-element
 # folds it takes the kernel past 128 registers (142 with pages of 16) and 3 programs per SM (A/B in the JSON)
 PREFETCH_PAGES = False
@@ -151,14 +157,18 @@ def _visible_count(n_ctx, window):
 
 
 @triton.jit
-def _tile_pages(table, tile_lo, offs_n, split_hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_pages(table, tile_lo, split_hi, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Page ids of the key tile at tile_lo: one scalar where pages >= the tile (splits are whole pages and
     tiles are aligned inside them), else one per row; entries at or past split_hi read as page 0 (masked)."""
     if PAGE_SIZE >= BLOCK_N:
         return tl.load(table + tile_lo // PAGE_SIZE, mask=tile_lo < split_hi, other=0)
     else:
-        pos = tile_lo + offs_n
-        return tl.load(table + pos // PAGE_SIZE, mask=pos < split_hi, other=0)
+        # the tile's BLOCK_N / PAGE_SIZE entries in one vector load, each repeated for its page's rows
+        # (~0.5-1% faster than one load per row at every shape with pages of 16)
+        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
+        entry = tile_lo // PAGE_SIZE + tl.arange(0, NP)
+        ids = tl.load(table + entry, mask=entry * PAGE_SIZE < split_hi, other=0)
+        return tl.reshape(tl.broadcast_to(ids[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
 
 
 @triton.jit
@@ -194,9 +204,9 @@ def _partial_tile(
     K/V loads' critical path); the next tile's are returned. OFFS_64: 64-bit offsets (caches of 2^31 or
     more elements), else 32-bit."""
     if PREFETCH:
-        page_next = _tile_pages(table, tile_lo + BLOCK_N, offs_n, split_hi, PAGE_SIZE, BLOCK_N)
+        page_next = _tile_pages(table, tile_lo + BLOCK_N, split_hi, PAGE_SIZE, BLOCK_N)
     else:
-        page = _tile_pages(table, tile_lo, offs_n, split_hi, PAGE_SIZE, BLOCK_N)
+        page = _tile_pages(table, tile_lo, split_hi, PAGE_SIZE, BLOCK_N)
         page_next = page
     if OFFS_64:
         page = page.to(tl.int64)
@@ -397,7 +407,7 @@ def polar_decode_kernel(
         split_hi,
         offs_n,
     )
-    page = _tile_pages(table, start, offs_n, split_hi, PAGE_SIZE, BLOCK_N)  # the first tile's (PREFETCH)
+    page = _tile_pages(table, start, split_hi, PAGE_SIZE, BLOCK_N)  # the first tile's (PREFETCH)
     if INTERPRETED:
         # Triton 3.6's interpreter keeps scalar loads as 1-element arrays, which range() rejects
         tile_lo = start
@@ -531,6 +541,10 @@ def polar_decode_forward(
     gp = triton.next_power_of_2(group)
     # 64-bit offsets only where a cache holds 2^31 elements or more (a shape-only choice)
     offs_64 = max(k_pages.numel(), v_pages.numel()) >= 2**31
+    long_merge = splits >= LONG_MERGE_SPLITS
+    tile_elems = LONG_MERGE_TILE_ELEMS if long_merge else MERGE_TILE_ELEMS
+    # a compile option of the CUDA backend (the interpreter ignores launch options it does not know)
+    register_cap = {"maxnreg": LONG_MERGE_REGISTERS} if long_merge else {}
     c = q.new_empty(b, h, d)
     mag = q.new_empty(b, h)
     polar_decode_kernel[(hkv, splits, b)](
@@ -543,8 +557,8 @@ def polar_decode_forward(
         h, hkv, splits, buckets, pages_per_split * page_size, window, 1.0 / math.sqrt(d),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), GP=gp, HEAD_DIM=d, PAGE_SIZE=page_size,
         BLOCK_N=block_n, BUCKET=MERGE_BUCKET,
-        MERGE_BLOCK_S=min(MERGE_BUCKET, max(1, MERGE_TILE_ELEMS // (gp * d))),
+        MERGE_BLOCK_S=min(MERGE_BUCKET, max(1, tile_elems // (gp * d))),
         OFFS_64=offs_64, PREFETCH=PREFETCH_PAGES, DOT_PRECISION=_dot_precision(q.dtype), INTERPRETED=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **register_cap,
     )  # fmt: skip
     return c, mag
