@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from atma_titan.errors import ConfigError
 from atma_titan.models.flavors import FLAVORS, ModelArgs, config_fields, resolve_model_args
+from atma_titan.redact import redact_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -148,13 +149,23 @@ class Checkpoint:
     keep_latest_k: int = opt(0, "Keep only the newest K complete checkpoints (0 = keep all).")
     async_save: bool = opt(False, "Write checkpoints in the background while training continues.")
     resume: bool = opt(True, "Resume from the newest complete checkpoint in the folder, if there is one.")
-    load_step: int = opt(-1, "Resume from this step instead of the newest (-1 = newest).")
+    load_step: int = opt(
+        -1,
+        "Resume from this step instead of the newest (-1 = newest); the first time, newer checkpoints are moved "
+        "to checkpoints/rolled_back/, and a rerun of the same command continues from the run's own newer ones.",
+    )
     load_path: str = opt(
         "", "Start from this checkpoint directory (e.g. another run's step-N) when the folder has none."
     )
     model_only: bool = opt(False, "With load_path: load only the model weights (fine-tuning), not optimizer or step.")
     export_safetensors: bool = opt(
         False, "At the end, also write the final weights to <dump_folder>/model.safetensors."
+    )
+    export_hf: bool = opt(
+        False, "At the end, also write a Hugging Face folder <dump_folder>/hf/ (transformers, trust_remote_code)."
+    )
+    initial_load_hf: str = opt(
+        "", "Start from the weights of this exported Hugging Face folder when the run has no checkpoint of its own."
     )
 
 
@@ -218,9 +229,14 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as plain values, URLs redacted (atma_titan.redact): it is what config.toml, the printed
+        config and the metric sinks show, so no credential in a URL leaves the process. The job itself reads
+        the real values from the dataclasses."""
+        return redact_config(dataclasses.asdict(self))
 
     def to_toml(self) -> str:
+        """config.toml's text, redacted like `to_dict`; the trainer recognises its own run folder by comparing
+        it with the folder's config.toml, redacted text with redacted text."""
         return to_toml(self.to_dict())
 
 
@@ -439,6 +455,12 @@ def validate(cfg: JobConfig) -> None:
     )
     need(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, "an integer >= 1")
     need(cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, ">= 0")
+    need(
+        not (cfg.checkpoint.initial_load_hf and cfg.checkpoint.load_path),
+        "checkpoint.initial_load_hf",
+        cfg.checkpoint.initial_load_hf,
+        "empty when checkpoint.load_path is set (one starting point)",
+    )
     need(
         cfg.activation_checkpoint.every_n >= 1,
         "activation_checkpoint.every_n",

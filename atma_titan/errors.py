@@ -10,11 +10,19 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from atma_titan.redact import redact_text
+
 __all__ = ["ConfigError", "InputError", "MissingExtraError", "import_optional"]
 
 
 class InputError(ValueError):
-    """Bad input from the user (a config value, a file, a command-line option): exit status 2."""
+    """Bad input from the user (a config value, a file, a command-line option): exit status 2.
+
+    The message is redacted (atma_titan.redact): a URL it names loses its credentials, so an error
+    about `s3://KEY:SECRET@bucket/...` or a pre-signed URL prints no secret."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*(redact_text(a) if isinstance(a, str) else a for a in args))
 
 
 class ConfigError(InputError):

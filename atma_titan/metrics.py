@@ -31,6 +31,7 @@ import torch
 
 from atma_titan.atomic import write_text_atomic
 from atma_titan.errors import InputError, import_optional
+from atma_titan.redact import redact_config, redact_text
 from atma_titan.run_folder import METRICS_NAME, read_metrics
 
 __all__ = [
@@ -281,6 +282,8 @@ class MetricsLogger:
             raise ValueError(f"metrics.wandb_mode must be 'online', 'offline' or 'disabled', got {wandb_mode!r}")
         self.dump_folder = Path(dump_folder)
         self.rank = rank
+        # The config goes to TensorBoard and wandb (a remote service): never a credential in a URL.
+        config = None if config is None else redact_config(config)
         self.enabled = rank == 0
         self._stdout = stdout and self.enabled
         self._jsonl_file = None
@@ -332,6 +335,8 @@ class MetricsLogger:
             # reads the process-wide settings and (wandb 0.31) still phones home
             # from an "offline" run unless the global mode says offline too.
             wandb.setup(settings=wandb.Settings(mode=mode))
+        # wandb records the command line in the run's metadata: show it a redacted one (a data URL's credentials)
+        argv, sys.argv = sys.argv, [redact_text(a) for a in sys.argv]
         try:
             return wandb.init(
                 project=project,
@@ -346,6 +351,8 @@ class MetricsLogger:
                 f"metrics.wandb_mode = 'online' but wandb cannot log in ({e}): run `wandb login` (or set "
                 "WANDB_API_KEY), or set metrics.wandb_mode = 'offline' to write the run under the dump folder"
             ) from None
+        finally:
+            sys.argv = argv
 
     def log(self, step: int, metrics: dict[str, float | None], eta_s: float | None = None) -> None:
         """Write ``metrics`` for ``step`` to every enabled sink (``eta_s``, the time left: stdout only)."""

@@ -7,7 +7,8 @@
   model.safetensors             the exported final weights (checkpoint.export_safetensors)
   <checkpoint.folder>/          "checkpoints" by default
     step-<N>/                   one checkpoint; it counts only once it holds COMPLETE
-      COMPLETE
+      COMPLETE                  JSON with the manifest (every file's size and xxh3_64): checkpoint_manifest.py
+    rolled_back/<time>/step-<N> checkpoints a checkpoint.load_step rollback set aside (never read again)
   eval/                         the eval command's results
 """
 

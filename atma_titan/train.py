@@ -29,12 +29,21 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from atma_titan.checkpoint import CheckpointManager, export_safetensors, load_model_only, model_state, optimizer_state
+from atma_titan.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    Chosen,
+    export_safetensors,
+    model_state,
+    optimizer_state,
+)
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.data import TrainData
 from atma_titan.device import resolve_device
-from atma_titan.errors import InputError
+from atma_titan.errors import InputError, import_optional
 from atma_titan.faults import FaultInjector
+from atma_titan.folder_lock import lock_run_folder
+from atma_titan.hf.load import HF_CONFIG, load_hf_weights
 from atma_titan.known_warnings import silence_known_warnings
 from atma_titan.metrics import (
     MetricsLogger,
@@ -55,7 +64,7 @@ from atma_titan.parallel import (
     init_distributed,
     parallelize,
 )
-from atma_titan.preemption import StopRequest
+from atma_titan.preemption import LauncherWatch, StopRequest
 from atma_titan.profiling import StepProfiler
 from atma_titan.run_folder import RunFolder, step_dir
 from atma_titan.validation import Validator
@@ -63,6 +72,9 @@ from atma_titan.validation import Validator
 
 class NonFiniteLoss(RuntimeError):
     """A NaN/Inf loss or gradient under training.nan_policy = 'abort' (exit status 3)."""
+
+
+HF_FOLDER = "hf"  # checkpoint.export_hf writes <dump_folder>/hf/
 
 
 class ExportError(RuntimeError):
@@ -163,7 +175,10 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def rng_state(device: torch.device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state in plain types (the rank file is loaded with weights_only=True: no numpy arrays)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -171,7 +186,9 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = {**state["numpy"], "state": dict(state["numpy"]["state"])}
+    numpy_state["state"]["key"] = np.asarray(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
@@ -219,11 +236,13 @@ def read_start(cfg: JobConfig) -> Start:
     done = folder.done_step()
     same_run = resume_step is not None or _saved_config(folder) == cfg.to_toml()
     if done is not None and done >= cfg.training.steps and same_run:
-        if not ck.export_safetensors or folder.safetensors.is_file():
+        exported_hf = not ck.export_hf or (folder.path / HF_FOLDER / HF_CONFIG).is_file()
+        if (not ck.export_safetensors or folder.safetensors.is_file()) and exported_hf:
             return Start(folder, resume_step, complete_at=done)
         if resume_step is None:
+            missing = folder.safetensors.name if exported_hf else f"{HF_FOLDER}/{HF_CONFIG}"
             raise InputError(
-                f"{folder.path} is a run complete at step {done} without {folder.safetensors.name} and without a "
+                f"{folder.path} is a run complete at step {done} without {missing} and without a "
                 "checkpoint to export it from (checkpoint.enable was false); remove the folder to train it again"
             )
         return Start(folder, resume_step)  # resume the final checkpoint: zero steps, then the export
@@ -303,13 +322,17 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
     if dims.is_main:
         prepare_folder(cfg, folder)
     with contextlib.ExitStack() as exits:  # closes what is already open if the set-up fails
-        # A run without a checkpoint continues after step 0: the rows of a restarted run are dropped.
-        resumed_from = start.resume_step if start.resume_step is not None else 0
-        logger = exits.enter_context(open_logger(cfg, dims, folder, resumed_from))  # wandb fails here, before the build
-        data = TrainData(cfg.data, args.vocab_size)  # a bad file or tokenizer fails before the model is built
         checkpointer = open_checkpointer(cfg, dims, folder, say)
         exits.callback(checkpointer.close)
-        loads_weights = start.resume_step is not None or bool(cfg.checkpoint.load_path)
+        chosen = choose_checkpoint(cfg, start, checkpointer)  # verified: an older one when the newest is damaged
+        # A run without a checkpoint continues after step 0: the rows of a restarted run are dropped.
+        resumed_from = chosen.step if start.resume_step is not None else 0
+        logger = exits.enter_context(open_logger(cfg, dims, folder, resumed_from))  # wandb fails here, before the build
+        data = TrainData(cfg.data, args.vocab_size)  # a bad file or tokenizer fails before the model is built
+        ck = cfg.checkpoint
+        if ck.export_hf:  # fail now, not after training, when transformers is missing
+            import_optional("transformers", "hf", "checkpoint.export_hf = true")
+        loads_weights = start.resume_step is not None or bool(ck.load_path or ck.initial_load_hf)
         seed = None if loads_weights else cfg.job.seed  # a checkpoint sets every weight: skip the initial ones
         model = build_model(args, device, parallel=parallel_plan(cfg, dims, device), seed=seed)
         optimizers = build_optimizers(model, cfg.optimizer)
@@ -320,6 +343,7 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
             "optimizer": optimizer_state(model, optimizers.optimizers),
             "lr_scheduler": schedules,
             "train_state": state,
+            **data.checkpoint_state(),  # a streamed source's global document cursor
         }
         run = Run(
             cfg=cfg, args=args, dims=dims, device=device, folder=folder, plan=plan, logger=logger, model=model,
@@ -327,7 +351,11 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
             say=say, began=began, exits=exits,
         )  # fmt: skip
         say_header(run)
-        open_loader(run, data, restore(run, start))
+        # Before the loader forks its workers: they inherit the handler, so a Ctrl-C to the process group
+        # leaves them running and the step can finish and save.
+        run.stop.install()
+        exits.callback(run.stop.uninstall)
+        open_loader(run, data, restore(run, start, chosen))
         prepare_step(run)
         run.exits = exits.pop_all()  # from here on the Run closes them
     return run
@@ -357,6 +385,8 @@ def open_checkpointer(cfg: JobConfig, dims: ParallelDims, folder: RunFolder, say
         rank=dims.rank,
         world_size=dims.world_size,
         on_saved=saved,
+        load_step=ck.load_step,
+        warn=lambda message: print(f"warning: {message}", file=sys.stderr, flush=True),
     )
 
 
@@ -419,20 +449,48 @@ def say_header(run: Run) -> None:
     run.say(f"  run folder {run.folder.path}: {run.folder.config.name}, {run.folder.metrics.name}; {saves}")
 
 
-def restore(run: Run, start: Start) -> dict | None:
+def choose_checkpoint(cfg: JobConfig, start: Start, checkpointer: CheckpointManager) -> Chosen | None:
+    """The checkpoint to start from, verified on every rank; a damaged one is skipped for the next older one.
+
+    The run's own (the newest, or checkpoint.load_step: see CheckpointManager.select for how a requeue
+    after a load_step resume continues from its own newer checkpoints), else checkpoint.load_path.
+    """
+    ck = cfg.checkpoint
+    if start.resume_step is not None:
+        where = {"step": ck.load_step} if ck.load_step >= 0 else {}
+        key = f"checkpoint.load_step = {ck.load_step}: " if ck.load_step >= 0 else ""
+    elif ck.load_path:
+        where, key = {"path": ck.load_path}, f"checkpoint.load_path = {ck.load_path!r}: "
+    else:
+        return None
+    try:
+        return checkpointer.select(**where)
+    except CheckpointError as e:  # say which setting named the checkpoint
+        raise type(e)(f"{key}{e}") from None
+
+
+def restore(run: Run, start: Start, chosen: Chosen | None) -> dict | None:
     """Load the run's own checkpoint, or another run's (`checkpoint.load_path`); returns this rank's state."""
     ck = run.cfg.checkpoint
-    rank_state = None
+    if chosen is None:
+        if ck.initial_load_hf:  # a new run from an exported Hugging Face folder: its weights only
+            try:
+                load_hf_weights(run.model, ck.initial_load_hf)
+            except InputError as e:
+                raise InputError(f"checkpoint.initial_load_hf = {ck.initial_load_hf!r}: {e}") from None
+            run.say(f"loaded model weights from {ck.initial_load_hf} (checkpoint.initial_load_hf)")
+        return None
     if start.resume_step is not None:
-        rank_state = run.checkpointer.load(run.job_state, step=start.resume_step)
+        rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen)
         run.saved_step = run.state.step
-        run.say(f"resumed from {run.checkpointer.checkpoint_dir(start.resume_step)} at step {run.state.step}")
-    elif ck.load_path:
-        if ck.model_only:
-            load_model_only(run.model, ck.load_path)
-        else:
-            rank_state = run.checkpointer.load(run.job_state, path=ck.load_path)
-        run.say(f"loaded {'model weights' if ck.model_only else 'checkpoint'} from {ck.load_path}")
+        run.say(f"resumed from {chosen.path} at step {run.state.step}")
+        return rank_state
+    if ck.model_only:  # weights only: the rank state of another run's step is of no use
+        run.checkpointer.load({"model": run.job_state["model"]}, checkpoint=chosen)
+        rank_state = None
+    else:
+        rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen)
+    run.say(f"loaded {'model weights' if ck.model_only else 'checkpoint'} from {chosen.path}")
     return rank_state
 
 
@@ -452,17 +510,13 @@ def open_loader(run: Run, data: TrainData, rank_state: dict | None) -> None:
     if rank_state is not None and rank_state.get("num_workers") == cfg.data.num_workers:
         run.loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"], run.device)
-    elif run.state.step and not data.random_access:
-        run.say(
-            f"warning: data.source = '{cfg.data.source}' streams documents per rank and worker; its position cannot "
-            "move to a new world size or worker count, so the stream restarts from its beginning. Use .bin shards "
-            "(python -m atma_titan.data.prepare) for exact resumption at any size."
-        )
+    elif run.state.step and not data.random_access:  # another split: continue from the global document cursor
+        run.say(f"data: {data.resume_note()}")
     run.batches = iter(run.loader)
 
 
 def prepare_step(run: Run) -> None:
-    """The loss function, precision, throughput meter, validator, stop handler, profiler and fault hooks."""
+    """The loss function, precision, throughput meter, validator, profiler and fault hooks."""
     cfg, args, dims, device = run.cfg, run.args, run.dims, run.device
     if cfg.training.compile:  # fused log-softmax: one (tokens x vocab) buffer fewer
         run.loss_fn = torch.compile(cross_entropy_sum, backend=cfg.training.compile_backend)
@@ -473,8 +527,6 @@ def prepare_step(run: Run) -> None:
     flops = flops_per_token(non_embedding_params(run.model), n_attention, args.n_heads, args.head_dim, run.plan.seq_len)
     run.throughput = Throughput(flops, peak_flops(device))
     run.validator = Validator(cfg, args.vocab_size, dims) if cfg.eval.interval else None
-    run.stop.install()
-    run.exits.callback(run.stop.uninstall)
     run.first_step = run.state.step + 1
     run.profiler = run.exits.enter_context(
         StepProfiler(cfg.profiling, run.folder.path, dims.rank, run.first_step, device, run.say)
@@ -557,6 +609,7 @@ def after_step(run: Run, stats: StepStats) -> bool:
     if step == run.first_step or step % cfg.metrics.log_freq == 0 or last_step or stats.stop or evaluated:
         log_step(run, stats, evaluated)
     ck = cfg.checkpoint
+    run.checkpointer.poll()  # an async save completes (marker, retention) once every rank's write is done
     if ck.enable and (step % ck.interval == 0 or last_step or stats.stop):
         run.checkpointer.save(step, run.job_state, rank_state=rank_private_state(run))
         run.saved_step = step
@@ -603,6 +656,8 @@ def finish(run: Run) -> dict:
         run.folder.write_done(run.state.step)
     if run.cfg.checkpoint.export_safetensors:
         export_weights(run)
+    if run.cfg.checkpoint.export_hf:
+        export_hf_folder(run)
     say_summary(run, "done")
     return run.last
 
@@ -618,6 +673,21 @@ def export_weights(run: Run) -> None:
         ) from e
     if run.dims.is_main:
         run.say(f"exported {path} ({format_bytes(path.stat().st_size)}, {time.perf_counter() - began:.1f} s)")
+
+
+def export_hf_folder(run: Run) -> None:
+    from atma_titan.hf.export import export_hf  # imports transformers (the hf extra)
+
+    path, began = run.folder.path / HF_FOLDER, time.perf_counter()
+    try:
+        export_hf(run.model, path, run.cfg, step=run.state.step, run_dir=run.folder.path)
+    except Exception as e:  # as export_weights: the run is complete, a re-run retries the export
+        raise ExportError(
+            f"training is complete (DONE at step {run.state.step}) but writing {path} failed: {e!r}; "
+            "re-run the same command to retry the export"
+        ) from e
+    if run.dims.is_main:
+        run.say(f"exported the Hugging Face folder {path} ({time.perf_counter() - began:.1f} s)")
 
 
 def say_summary(run: Run, how: str) -> None:
@@ -650,9 +720,11 @@ def say_summary(run: Run, how: str) -> None:
 
 def train(cfg: JobConfig) -> dict:
     """Run the job described by `cfg`; returns the last logged metrics."""
+    launcher = LauncherWatch.start()  # first: torchrun's pid, and SIGTERM from the kernel if it dies
     env = LaunchEnv.from_environ()
     device = resolve_device(cfg.training.device, env.local_rank, what="'training.device'")
     dims = init_distributed(env, cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, device.type)
+    lock = None
     try:
         args = resolve_model_args(cfg.model)
         if cfg.job.dry_run:
@@ -660,14 +732,19 @@ def train(cfg: JobConfig) -> dict:
                 with torch.device("meta"):
                     print_parameters(ATMA(args))
             return {}
+        # Before the folder is read: one job per run folder (all ranks exit 2 together when it is taken).
+        lock = lock_run_folder(Path(cfg.job.dump_folder), distributed=dims.distributed, is_main=dims.is_main)
         start = read_start(cfg)
         if start.complete_at is not None:
             if dims.is_main:
                 print(f"{start.folder.path} is already complete at step {start.complete_at}: nothing to do", flush=True)
             return {}
         with setup(cfg, args, start, device, dims) as run:
+            run.stop.launcher = launcher
             return run_loop(run)
     finally:
+        if lock is not None:
+            lock.release()
         destroy_distributed()
 
 
@@ -679,6 +756,7 @@ def run_loop(run: Run) -> dict:
         run.say(f"training steps {run.state.step + 1}..{steps}")
     run.model.train()
     while run.state.step < steps:
+        run.stop.check_launcher()  # torchrun gone (where no SIGTERM came): a stop request like any other
         if after_step(run, train_step(run)):
             run.checkpointer.wait()
             say_stopped(run)

@@ -75,7 +75,7 @@ def test_jsonl_with_blank_and_empty_documents(tmp_path):
     docs = one_pass(TextFiles(str(path)))
     assert texts(docs) == ["one", "two"]
     # Empty and null documents are skipped but keep their place: "two" is document 3 of the file.
-    assert docs[1][1] == {"epoch": 0, "file": 0, "doc": 4, "seen": 0}
+    assert docs[1][1] == {"epoch": 0, "unit": 0, "doc": 4}
 
 
 def test_parquet_by_row_group_and_custom_field(tmp_path):
@@ -133,8 +133,12 @@ def test_split_rules(corpus):
     source = TextFiles(pattern)
     # At least as many files as parts: part 1 of 2 reads files 1 and 3.
     assert texts(one_pass(source, 1, 2)) == [d for d in all_docs if d.startswith(("file 1 ", "file 3 "))]
-    # Fewer files than parts: documents 2, 2 + 7, ... of the concatenation.
-    assert texts(one_pass(source, 2, 7)) == all_docs[2::7]
+    # Fewer files than parts: every file cut by document number mod 7 (7 = 7 / gcd(5, 7)); file f's cuts go to
+    # parts 0..6 rotated by f * 7 // 5, so part 2 reads documents 2, 3, 4, 6, 0 mod 7 of files 0..4.
+    per_file = [[d for d in all_docs if d.startswith(f"file {f} ")] for f in range(5)]
+    assert texts(one_pass(source, 2, 7)) == [d for f, r in enumerate([2, 3, 4, 6, 0]) for d in per_file[f][r::7]]
+    # 5 files and 10 parts: each file in halves (even and odd documents), one half per part.
+    assert texts(one_pass(source, 3, 10)) == per_file[1][1::2]
 
 
 @pytest.mark.parametrize("num_parts", [1, 2, 7])

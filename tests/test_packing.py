@@ -182,7 +182,7 @@ def test_state_holds_the_carry_and_no_read_ahead(corpus):
     state = dataset.state_dict()
     # The first document (longer than a window) is in the packer: the state points right after it,
     # and the carry starts with the last token of the window just yielded.
-    assert state["source"] == {"epoch": 0, "file": 0, "doc": 1, "seen": 0}
+    assert state["source"] == {"epoch": 0, "unit": 0, "doc": 1}
     assert state["part"] == 0 and state["num_parts"] == 1
     first_doc = [BYTES.eot_id, *BYTES.encode(corpus[1][0])]
     assert state["carry"] == first_doc[16:] and state["carry_doc_starts"] == []

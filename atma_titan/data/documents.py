@@ -1,17 +1,30 @@
 """Document sources for the streaming path: text files or a Hugging Face dataset, split and resumable.
 
-Contract (``DocumentSource``): ``documents(part, num_parts, state=None)`` yields
-``(text, state)`` pairs, forever: after the last document of a pass over this part's data
-it starts the next pass (epoch) in the same order. ``state`` is a small JSON-like dict that
-describes the position right after that document; passing it back as ``state`` resumes
-with the next document. A state is only meaningful for the same source, ``part`` and
-``num_parts``. ``num_parts`` is data-parallel ranks x loader workers per rank, and the
-parts of one pass are disjoint and together cover every document exactly once.
+A source is a list of *files* (a dataset's shards for ``HFDataset``), each a sequence of
+documents numbered 0, 1, 2, ... in file order. Documents whose text is empty or null are
+skipped (they carry nothing to learn) but keep their number, so positions and the split do
+not depend on them.
 
-Documents whose text is empty or null are skipped (they carry nothing to learn), but
-they keep their place in the file, so positions and the split do not depend on them. A
-part that gets no document at all in a full pass raises ``DataSourceError`` instead of
-looping forever.
+Contract (``DocumentSource``): ``documents(part, num_parts, state=None, plan=None)`` yields
+``(text, state)`` pairs, forever: after the last document of a pass over this part's data it
+starts the next pass (epoch) in the same order. ``num_parts`` is data-parallel ranks x loader
+workers per rank (or a prepare run's ``--parts``), and the parts of one pass are disjoint and
+together cover every document exactly once. ``state`` is the part's position right after that
+document, ``{"epoch", "unit", "doc"}`` (see ``stream_plan``); passing it back as ``state`` resumes
+with the next document. A state is only meaningful for the same source, ``plan`` and
+``num_parts``.
+
+Which documents a part reads is decided by a ``stream_plan.StreamPlan`` (``plan``; None: the
+fresh plan of this source): unit ``i`` of the plan belongs to part ``i mod P``. With at least
+``num_parts`` files, part ``p`` reads files ``p, p + P, p + 2P, ...`` whole (no reading of other
+parts' files); with fewer, every file is cut into ``k = P / gcd(files, P)`` units by document
+number mod k and each part reads ``files * k / P`` of them (``StreamPlan.split`` says which). The
+plan also holds every unit's cursor, which the parts' positions advance (``StreamPlan.advanced``),
+so a run saved at P parts continues at any P': within a pass, no document behind a cursor is
+read again and none ahead of it is left out. What the trainer counts as consumed, and so what
+a change of split can lose (at most the untrained rest of one document per old part), is
+``packing``'s. A part that gets no document at all in a full pass raises ``EmptyPartError``
+instead of looping forever.
 
 ``TextFiles(pattern, text_field)``: the files matching a local path, glob or directory, or
 any fsspec URL or URL glob (``s3://bucket/data/*.jsonl.gz``, ``memory://...``), sorted
@@ -19,23 +32,17 @@ by name. By extension:
 
 * ``.txt``: the whole file is one document (UTF-8; invalid bytes become U+FFFD);
 * ``.jsonl``: one JSON object per line, the document is its ``text_field``; blank lines
-  are ignored;
+  are ignored (they are not documents);
 * ``.parquet``: column ``text_field``, read one row group at a time with pyarrow;
 * ``.txt`` and ``.jsonl`` may be compressed: ``.gz``, ``.bz2``, ``.xz``, ``.zst`` (the
   last needs the ``zstandard`` package).
 
-Split: with at least ``num_parts`` files, part ``p`` reads files ``p, p + P, p + 2P, ...``
-(whole files, no reading of other parts' files). With fewer files every part reads all
-files and keeps documents ``p, p + P, ...`` of their concatenation. State:
-``{"epoch", "file", "doc", "seen"}``: the next document is number ``doc`` (counting from
-0, empty ones included) of file number ``file``; ``seen`` counts the documents of the
-pass before it (used by the fewer-files split).
-
 ``HFDataset(name, config, split, text_field)``: ``datasets.load_dataset(..., streaming=True)``
-of a hub id or a local directory/loader name (``"json"`` with ``data_files``), split with
-``datasets.distributed.split_dataset_by_node`` (whole shards when the shard count divides
-by ``num_parts``, else every ``num_parts``-th example), resumed with the
-``IterableDataset``'s own ``state_dict()``. State: ``{"epoch", "hf"}``.
+of a hub id or a local directory/loader name (``"json"`` with ``data_files``); its files are the
+streamed dataset's shards, each read alone (``split_dataset_by_node`` with one node per shard).
+A resume inside a shard skips the examples before the cursor by reading them: the
+``IterableDataset``'s own ``state_dict()`` cannot be used, since it describes a position in one
+node's share of the shards and cannot be re-split for another number of nodes.
 """
 
 from __future__ import annotations
@@ -45,9 +52,16 @@ import json
 import os
 from typing import Iterator, Protocol, runtime_checkable
 
+import xxhash
+
+from atma_titan.data.stream_plan import StreamPlan
 from atma_titan.errors import InputError, import_optional
 
-__all__ = ["DataSourceError", "DocumentSource", "TextFiles", "HFDataset"]
+__all__ = ["DataSourceError", "DocumentSource", "EmptyPartError", "HFDataset", "SplitSource", "TextFiles"]
+
+# What decides which documents a part gets; prepare records it with its plan, so a change of
+# the split rule is never mixed into a half-written output folder.
+SPLIT_VERSION = 2
 
 
 class DataSourceError(InputError):
@@ -60,7 +74,9 @@ class EmptyPartError(DataSourceError):
 
 @runtime_checkable
 class DocumentSource(Protocol):
-    def documents(self, part: int, num_parts: int, state: dict | None = None) -> Iterator[tuple[str, dict]]:
+    def documents(
+        self, part: int, num_parts: int, state: dict | None = None, plan: StreamPlan | None = None
+    ) -> Iterator[tuple[str, dict]]:
         """Yield (text, state after this document) for this part, pass after pass; resume after ``state``."""
         ...
 
@@ -72,6 +88,83 @@ def _check_part(part: int, num_parts: int) -> None:
 
 def _is_document(text) -> bool:
     return text is not None and text != ""
+
+
+def _first_kept(start: int, modulus: int, residue: int) -> int:
+    """The smallest document number >= start with number % modulus == residue."""
+    return start + (residue - start) % modulus
+
+
+class SplitSource:
+    """The split and the passes over a list of files, shared by TextFiles and HFDataset.
+
+    A subclass provides ``num_files``, ``file_names()`` and ``read(file, start, modulus, residue)``,
+    which yields ``(number, text or None)`` for the documents of one file numbered >= start with
+    number % modulus == residue, and ``_empty_part_error``.
+    """
+
+    num_files: int
+
+    def file_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def read(self, file: int, start: int = 0, modulus: int = 1, residue: int = 0) -> Iterator[tuple[int, str | None]]:
+        raise NotImplementedError
+
+    def _empty_part_error(self, part: int, num_parts: int) -> DataSourceError:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The source as a message names it."""
+        return repr(self)
+
+    def fingerprint(self) -> str:
+        """A hash of the file names in order: a plan saved for other files is refused."""
+        return xxhash.xxh64("\n".join(self.file_names()).encode()).hexdigest()
+
+    def fresh_plan(self) -> StreamPlan:
+        return StreamPlan.fresh(self.num_files, self.fingerprint())
+
+    def check_plan(self, plan: StreamPlan) -> None:
+        """Raise DataSourceError when `plan` was saved for other files than these."""
+        try:
+            plan.check_source(self.num_files, self.fingerprint(), self.describe())
+        except ValueError as exc:
+            raise DataSourceError(
+                f"{exc}; the stream cannot continue on other data: point data.path at the files the run was "
+                "trained on, or start a new run from its weights (checkpoint.load_path with checkpoint.model_only)"
+            ) from None
+
+    def documents(
+        self, part: int, num_parts: int, state: dict | None = None, plan: StreamPlan | None = None
+    ) -> Iterator[tuple[str, dict]]:
+        _check_part(part, num_parts)
+        plan = (plan or self.fresh_plan()).split(num_parts)
+        mine = plan.units_of(part, num_parts)
+        if state is not None and state["unit"] % num_parts != part:
+            raise ValueError(f"state {state} belongs to another part than part {part} of {num_parts}")
+        epoch = state["epoch"] if state is not None else plan.first_epoch(part, num_parts)
+        while True:
+            full, found = True, False  # full: every unit read from its first document in this pass
+            for u in mine:
+                unit = plan.units[u]
+                start = unit.first_in_pass(epoch)
+                if state is not None:  # the first pass of a resume starts at the position
+                    if u < state["unit"]:
+                        start = None
+                    elif u == state["unit"] and start is not None:
+                        start = max(start, state["doc"])
+                if start is None or start > 0:
+                    full = False
+                if start is None:
+                    continue
+                for doc, text in self.read(unit.file, start, unit.modulus, unit.residue):
+                    if _is_document(text):
+                        found = True
+                        yield text, {"epoch": epoch, "unit": u, "doc": doc + 1}
+            if full and not found:
+                raise self._empty_part_error(part, num_parts)
+            state, epoch = None, epoch + 1
 
 
 # ---------------------------------------------------------------------------- text files
@@ -138,11 +231,11 @@ def _open_binary(url: str, compression: str | None):
     return fsspec.open(url, "rb", compression=compression)
 
 
-def _read_txt(url: str, compression: str | None, text_field: str, skip: int) -> Iterator[str | None]:
-    if skip > 0:  # the file's only document was already read
+def _read_txt(url: str, compression: str | None, text_field: str, start: int, modulus: int, residue: int):
+    if start > 0 or residue != 0:  # the file's only document (number 0) is not asked for
         return
     with _open_binary(url, compression) as f:
-        yield f.read().decode("utf-8", errors="replace")
+        yield 0, f.read().decode("utf-8", errors="replace")
 
 
 def _jsonl_text(url: str, line_number: int, line: bytes, text_field: str) -> str | None:
@@ -163,18 +256,18 @@ def _jsonl_text(url: str, line_number: int, line: bytes, text_field: str) -> str
     return text
 
 
-def _read_jsonl(url: str, compression: str | None, text_field: str, skip: int) -> Iterator[str | None]:
+def _read_jsonl(url: str, compression: str | None, text_field: str, start: int, modulus: int, residue: int):
     index = 0  # documents = non-blank lines; blank lines are not documents
     with _open_binary(url, compression) as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            if index >= skip:  # lines before the resume point are not even parsed
-                yield _jsonl_text(url, line_number, line, text_field)
+            if index >= start and index % modulus == residue:  # other lines are not even parsed
+                yield index, _jsonl_text(url, line_number, line, text_field)
             index += 1
 
 
-def _read_parquet(url: str, compression: str | None, text_field: str, skip: int) -> Iterator[str | None]:
+def _read_parquet(url: str, compression: str | None, text_field: str, start: int, modulus: int, residue: int):
     import fsspec
 
     pa = import_optional("pyarrow", "data", f"reading {url}")
@@ -191,16 +284,17 @@ def _read_parquet(url: str, compression: str | None, text_field: str, skip: int)
         first_row = 0
         for group in range(parquet.num_row_groups):
             rows = parquet.metadata.row_group(group).num_rows
-            if first_row + rows > skip:  # row groups wholly before the resume point are not read
+            first = _first_kept(max(start, first_row), modulus, residue)
+            if first < first_row + rows:  # row groups holding no wanted row are not read
                 texts = parquet.read_row_group(group, columns=[text_field]).column(0).to_pylist()
-                yield from texts[max(skip - first_row, 0) :]
+                yield from zip(range(first, first_row + rows, modulus), texts[first - first_row :: modulus])
             first_row += rows
 
 
 _READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
-class TextFiles:
+class TextFiles(SplitSource):
     """Documents from text, JSON-lines or parquet files (see the module docstring for the contract)."""
 
     def __init__(self, pattern: str, text_field: str = "text"):
@@ -211,56 +305,24 @@ class TextFiles:
     def __repr__(self) -> str:
         return f"TextFiles({self.pattern!r}, text_field={self.text_field!r}; {len(self.files)} files)"
 
-    def read_file(self, index: int, skip: int = 0) -> Iterator[str | None]:
-        """The raw documents of file ``index`` from document ``skip`` on (None or '' for empty ones)."""
-        fmt, compression = self._kinds[index]
-        return _READERS[fmt](self.files[index], compression, self.text_field, skip)
+    @property
+    def num_files(self) -> int:
+        return len(self.files)
+
+    def describe(self) -> str:
+        return f"data.path {self.pattern!r}"
+
+    def file_names(self) -> list[str]:
+        # Base names: the same files moved to another folder or bucket are the same data.
+        return [url.rstrip("/").rsplit("/", 1)[-1] for url in self.files]
+
+    def read(self, file: int, start: int = 0, modulus: int = 1, residue: int = 0) -> Iterator[tuple[int, str | None]]:
+        fmt, compression = self._kinds[file]
+        return _READERS[fmt](self.files[file], compression, self.text_field, start, modulus, residue)
 
     def count_documents(self) -> int:
         """Non-empty documents in all files (reads everything; used to explain an empty part)."""
-        return sum(sum(map(_is_document, self.read_file(i))) for i in range(len(self.files)))
-
-    def documents(self, part: int, num_parts: int, state: dict | None = None) -> Iterator[tuple[str, dict]]:
-        _check_part(part, num_parts)
-        by_file = len(self.files) >= num_parts
-        one_pass = self._pass_by_file if by_file else self._pass_by_document
-        first_file = part if by_file else 0
-        state = dict(state) if state else self._pass_start(0, first_file)
-        if by_file and (state["file"] - part) % num_parts:
-            raise ValueError(f"state {state} belongs to another part than part {part} of {num_parts}")
-        while True:
-            full_pass = state == self._pass_start(state["epoch"], first_file)
-            found = False
-            for text, after in one_pass(part, num_parts, state):
-                found = True
-                yield text, after
-            if full_pass and not found:
-                raise self._empty_part_error(part, num_parts)
-            state = self._pass_start(state["epoch"] + 1, first_file)
-
-    @staticmethod
-    def _pass_start(epoch: int, first_file: int) -> dict:
-        return {"epoch": epoch, "file": first_file, "doc": 0, "seen": 0}
-
-    def _pass_by_file(self, part: int, num_parts: int, start: dict) -> Iterator[tuple[str, dict]]:
-        """Files part, part + P, ...: every document of each, from the start position on."""
-        epoch = start["epoch"]
-        for index in range(start["file"], len(self.files), num_parts):
-            skip = start["doc"] if index == start["file"] else 0
-            for doc, text in enumerate(self.read_file(index, skip), start=skip):
-                if _is_document(text):
-                    yield text, {"epoch": epoch, "file": index, "doc": doc + 1, "seen": 0}
-
-    def _pass_by_document(self, part: int, num_parts: int, start: dict) -> Iterator[tuple[str, dict]]:
-        """All files; documents part, part + P, ... of their concatenation, from the start position on."""
-        epoch, seen = start["epoch"], start["seen"]
-        for index in range(start["file"], len(self.files)):
-            skip = start["doc"] if index == start["file"] else 0
-            for doc, text in enumerate(self.read_file(index, skip), start=skip):
-                mine = seen % num_parts == part
-                seen += 1
-                if mine and _is_document(text):
-                    yield text, {"epoch": epoch, "file": index, "doc": doc + 1, "seen": seen}
+        return sum(_is_document(text) for i in range(len(self.files)) for _, text in self.read(i))
 
     def _empty_part_error(self, part: int, num_parts: int) -> DataSourceError:
         total = self.count_documents()
@@ -290,17 +352,10 @@ def _offline_help(name: str) -> str:
     )
 
 
-def _import_datasets():
-    datasets = import_optional("datasets", "data", "data.source = 'hf'")
-    if not hasattr(datasets.IterableDataset, "load_state_dict"):
-        raise DataSourceError(
-            f"HFDataset resumes with IterableDataset.state_dict(), which needs datasets >= 2.18 "
-            f"(installed: {datasets.__version__}): pip install -U datasets"
-        )
-    return datasets
+_HF_BATCH = 256  # examples per read from a shard: cheaper than one by one, also when skipping to a cursor
 
 
-class HFDataset:
+class HFDataset(SplitSource):
     """Documents from a Hugging Face dataset, streamed (see the module docstring for the contract).
 
     ``name`` is a hub id (``"HuggingFaceFW/fineweb-edu"``), a local directory of
@@ -326,7 +381,7 @@ class HFDataset:
         return f"HFDataset({self.name!r}, config={self.config!r}, split={self.split!r}, text_field={self.text_field!r})"
 
     def _load(self):
-        datasets = _import_datasets()
+        datasets = import_optional("datasets", "data", "data.source = 'hf'")
         try:
             return datasets.load_dataset(
                 self.name, self.config, split=self.split, data_files=self.data_files, streaming=True
@@ -341,42 +396,46 @@ class HFDataset:
                 f"on the Hugging Face hub ({type(exc).__name__}: {exc}). {_offline_help(self.name)}"
             ) from exc
 
+    def describe(self) -> str:
+        return f"the dataset {self.name!r} (split {self.split!r})"
+
+    @property
+    def num_files(self) -> int:
+        dataset = self._dataset
+        return int(dataset.num_shards if hasattr(dataset, "num_shards") else dataset.n_shards)
+
+    def file_names(self) -> list[str]:
+        # Shards have no names we can rely on; their count (checked apart) and the split identify them.
+        return [f"{self.config or ''}/{self.split}"]
+
     def _check_field(self, fields) -> None:
         if fields is not None and self.text_field not in fields:
             raise DataSourceError(
                 f"dataset {self.name!r} has no field {self.text_field!r}; its fields: {', '.join(map(repr, fields))}"
             )
 
-    def _text_of(self, example: dict) -> str | None:
-        if self.text_field not in example:
-            self._check_field(list(example))
-        return example[self.text_field]
+    def _texts_of(self, batch: dict) -> list:
+        if self.text_field not in batch:
+            self._check_field(list(batch))
+        return batch[self.text_field]
 
-    def _part_of_dataset(self, part: int, num_parts: int, hf_state: dict | None):
+    def read(self, file: int, start: int = 0, modulus: int = 1, residue: int = 0) -> Iterator[tuple[int, str | None]]:
         from datasets.distributed import split_dataset_by_node
 
-        # A fresh object per pass: once load_state_dict() was called on an IterableDataset, every later
-        # iteration of that object starts from the loaded state again, never from the beginning.
-        dataset = split_dataset_by_node(self._dataset, rank=part, world_size=num_parts)
-        if hf_state is not None:
-            dataset.load_state_dict(hf_state)
-        return dataset
+        # One node per shard: node `file` reads exactly shard `file`, whole and in order. `iter()` and not
+        # `__iter__`: in a DataLoader worker the latter would split the shard again among the workers.
+        shard = split_dataset_by_node(self._dataset, rank=file, world_size=self.num_files)
+        wanted, number = _first_kept(start, modulus, residue), 0
+        for batch in shard.iter(batch_size=_HF_BATCH):
+            texts = self._texts_of(batch)
+            end = number + len(texts)
+            while wanted < end:
+                yield wanted, texts[wanted - number]
+                wanted += modulus
+            number = end
 
-    def documents(self, part: int, num_parts: int, state: dict | None = None) -> Iterator[tuple[str, dict]]:
-        _check_part(part, num_parts)
-        epoch, hf_state = (state["epoch"], state["hf"]) if state else (0, None)
-        while True:
-            dataset = self._part_of_dataset(part, num_parts, hf_state)
-            found = False
-            for example in dataset:
-                text = self._text_of(example)
-                if _is_document(text):
-                    found = True
-                    # state_dict() is a deep copy taken right after this example: resuming continues after it.
-                    yield text, {"epoch": epoch, "hf": dataset.state_dict()}
-            if hf_state is None and not found:
-                raise EmptyPartError(
-                    f"part {part} of {num_parts} (ranks x loader workers) gets no documents from dataset "
-                    f"{self.name!r} split {self.split!r}: it is empty, or has fewer documents than parts"
-                )
-            epoch, hf_state = epoch + 1, None
+    def _empty_part_error(self, part: int, num_parts: int) -> DataSourceError:
+        return EmptyPartError(
+            f"part {part} of {num_parts} (ranks x loader workers) gets no documents from dataset "
+            f"{self.name!r} split {self.split!r}: it is empty, or has fewer documents than parts"
+        )

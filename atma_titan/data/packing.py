@@ -17,26 +17,44 @@ start the next window when more documents arrive (or after a restore).
 ``PackedBatches`` streams one rank's micro-batches ``(inputs, labels)``, each ``(b, seq_len)``
 int64 with ``labels`` = ``inputs`` shifted by one, like ``loader.RankBatches``. Documents are
 split by *part*: part = rank * num_workers + worker of num_parts = world_size * num_workers,
-so every rank and loader worker packs its own disjoint documents; the loader takes workers
-in turn. State per worker: the document source's state after the last document that went
-into the packer, plus the carry. Documents read ahead for batched tokenisation are not
-part of the state: after a restore they are read again from the source. A restore with a
-different world size or worker count is refused (the parts would differ).
+so every rank and loader worker packs its own disjoint documents (the source's split under a
+``stream_plan.StreamPlan``); the loader takes workers in turn.
+
+State per worker (plain lists, dicts and ints): the document source's position after the last
+document that went into the packer, the carry, and the source position *before* each document
+that starts in the carry. Documents read ahead for batched tokenisation are not part of the
+state: after a restore they are read again from the source. A restore of that state needs the
+same world size and worker count (it is refused otherwise) and the plan saved with it; it
+continues bit for bit.
+
+The global cursor (``consumed_positions``): a document counts as *consumed* once its leading
+EOT has been an input token of a window this loader handed out, i.e. once it starts before
+the carry (the carry's first token was only a label of the last window). Each part's consumed
+position is the position before the first document that starts in the carry, or after the last
+document packed when none does. Folded into the plan (``StreamPlan.advanced``) these give the
+cursor a run continues from at another world size or worker count: the documents starting in
+the carry are read again there (no token of theirs was trained but, at most, the leading EOT as
+the last label of a window), and the only text lost is the untrained rest of each part's last
+consumed document: at most one document per part, at most that document's length less one token.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader.stateful_dataloader import _DATASET_STATE
+from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter as _WorkersIter
 
 from atma_titan.data.documents import DocumentSource
 from atma_titan.data.loader import stateful_loader
+from atma_titan.data.stream_plan import StreamPlan
 from atma_titan.data.tokenizer import Tokenizer, encode_batch
 
-__all__ = ["Packer", "pack", "PackedBatches", "build_text_dataloader"]
+__all__ = ["Packer", "pack", "PackedBatches", "build_text_dataloader", "consumed_positions"]
 
 
 class Packer:
@@ -132,11 +150,48 @@ def _worker_slot() -> tuple[int, int]:
     return (info.id, info.num_workers) if info is not None else (0, 1)
 
 
+class _Stream:
+    """One running iteration: its part, packer, source position and the positions of the documents in the carry."""
+
+    def __init__(self, part: int, num_parts: int, packer: Packer, source: dict | None, carry_positions: list):
+        self.part, self.num_parts, self.packer, self.source = part, num_parts, packer, source
+        self.carry_positions = deque(carry_positions)  # position before each document starting in the carry
+
+    def add(self, tokens, position_after: dict) -> None:
+        self.carry_positions.append(self.source)
+        self.packer.add_document(tokens)
+        self.source = position_after
+
+    def window(self) -> np.ndarray | None:
+        taken = self.packer.next_window()
+        if taken is None:
+            return None
+        window, starts = taken
+        for _ in range(int(starts[:-1].sum())):  # documents whose EOT was an input: consumed
+            self.carry_positions.popleft()
+        return window
+
+    def consumed(self) -> dict | None:
+        return self.carry_positions[0] if self.carry_positions else self.source
+
+    def state(self) -> dict:
+        return {
+            "part": self.part,
+            "num_parts": self.num_parts,
+            "source": self.source,
+            "carry": self.packer.carry,
+            "carry_doc_starts": self.packer.carry_doc_starts,
+            "carry_positions": list(self.carry_positions),
+            "consumed": self.consumed(),
+        }
+
+
 class PackedBatches(IterableDataset):
     """This rank's micro-batches of packed documents, as (inputs, labels), each (b, seq_len) int64.
 
     See the module docstring for the split and the state. ``tokenize_batch`` documents are
-    read and tokenised together (the tokenizers are faster in batch).
+    read and tokenised together (the tokenizers are faster in batch). ``plan`` is the stream
+    plan the parts read under (None: the source's fresh plan).
     """
 
     def __init__(
@@ -148,6 +203,7 @@ class PackedBatches(IterableDataset):
         rank: int = 0,
         world_size: int = 1,
         tokenize_batch: int = 64,
+        plan: StreamPlan | None = None,
     ):
         if seq_len < 1 or micro_batch < 1 or tokenize_batch < 1:
             raise ValueError(
@@ -155,26 +211,19 @@ class PackedBatches(IterableDataset):
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank {rank} of {world_size}")
-        self.source, self.tokenizer = source, tokenizer
+        self.source, self.tokenizer, self.plan = source, tokenizer, plan
         self.seq_len, self.micro_batch, self.tokenize_batch = seq_len, micro_batch, tokenize_batch
         self.rank, self.world_size = rank, world_size
         self._loaded: dict | None = None  # a state to start from (load_state_dict), until iteration starts
-        self._live = None  # (part, num_parts, packer, source state) of the running iteration
+        self._live: _Stream | None = None  # the running iteration
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
         """Where this worker's stream stands after the last batch it yielded."""
-        if self._live is None:
-            return dict(self._loaded) if self._loaded is not None else {"source": None, "carry": []}
-        part, num_parts, packer, source_state = self._live
-        return {
-            "part": part,
-            "num_parts": num_parts,
-            "source": source_state,
-            "carry": packer.carry,
-            "carry_doc_starts": packer.carry_doc_starts,
-        }
+        if self._live is not None:
+            return self._live.state()
+        return dict(self._loaded) if self._loaded is not None else {"source": None, "carry": []}
 
     def load_state_dict(self, state: dict) -> None:
         self._loaded, self._live = dict(state), None
@@ -184,7 +233,14 @@ class PackedBatches(IterableDataset):
         if saved != (part, num_parts):
             raise ValueError(
                 f"loader state was saved by part {saved[0]} of {saved[1]} (rank x loader worker); this is part "
-                f"{part} of {num_parts}: a text stream resumes only with the same world size and num_workers"
+                f"{part} of {num_parts}: restore it with the same world size and num_workers (at another, "
+                "start from the stream plan instead)"
+            )
+        source = state.get("source")
+        if (source is not None and "unit" not in source) or (state["carry"] and "carry_positions" not in state):
+            raise ValueError(
+                f"loader state {source} was written by an older atma_titan (files split without a stream plan); "
+                "it cannot be restored"
             )
 
     # ------------------------------------------------------------------ iteration
@@ -208,26 +264,41 @@ class PackedBatches(IterableDataset):
         start = self.state_dict()  # a loaded state, or where the previous iteration stopped
         self._check_state(start, part, num_parts)
         packer = Packer(self.seq_len + 1, self.tokenizer.eot_id, start["carry"], start.get("carry_doc_starts"))
-        self._live = (part, num_parts, packer, start["source"])
-        self._loaded = None
-        tokenized = self._tokenized(self.source.documents(part, num_parts, start["source"]))
+        stream = _Stream(part, num_parts, packer, start["source"], start.get("carry_positions", []))
+        self._live, self._loaded = stream, None
+        documents = self.source.documents(part, num_parts, start["source"], plan=self.plan)
+        tokenized = self._tokenized(documents)
         rows: list[np.ndarray] = []
         while True:
-            window = packer.next_window()
+            window = stream.window()
             if window is None:
                 document = next(tokenized, None)
                 if document is None:
                     return
-                tokens, source_state = document
-                packer.add_document(tokens)
                 # The state moves only with documents that reached the packer, not the ones read ahead.
-                self._live = (part, num_parts, packer, source_state)
+                stream.add(*document)
                 continue
-            rows.append(window[0])
+            rows.append(window)
             if len(rows) == self.micro_batch:
                 tokens = torch.from_numpy(np.stack(rows))
                 rows = []
                 yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _dataset_states(loader) -> list[dict]:
+    """The PackedBatches state of each loader worker (of the main process without workers), from the loader's own
+    state: with workers, torchdata keeps each worker's last snapshot, taken right after the batch it yielded."""
+    state = loader.state_dict()
+    if loader.num_workers == 0:
+        return [state[_DATASET_STATE]] if state.get(_DATASET_STATE) is not None else []
+    # torchdata's own key names (imported, so a rename fails loudly instead of losing the positions).
+    workers = state.get(_WorkersIter._SNAPSHOT, {}).get(_WorkersIter._WORKER_SNAPSHOTS, {})
+    return [w[_DATASET_STATE] for w in workers.values() if w.get(_DATASET_STATE) is not None]
+
+
+def consumed_positions(loader) -> dict[int, dict | None]:
+    """part -> consumed position (module docstring) for each part of this loader that has started."""
+    return {s["part"]: s["consumed"] for s in _dataset_states(loader) if "consumed" in s}
 
 
 def build_text_dataloader(
@@ -241,7 +312,8 @@ def build_text_dataloader(
     num_workers: int = 0,
     pin_memory: bool = False,
     tokenize_batch: int = 64,
+    plan: StreamPlan | None = None,
 ):
     """A torchdata StatefulDataLoader over this rank's packed micro-batches; its state_dict() resumes it exactly."""
-    dataset = PackedBatches(source, tokenizer, seq_len, micro_batch, rank, world_size, tokenize_batch)
+    dataset = PackedBatches(source, tokenizer, seq_len, micro_batch, rank, world_size, tokenize_batch, plan)
     return stateful_loader(dataset, num_workers, pin_memory)

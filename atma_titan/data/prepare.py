@@ -11,6 +11,12 @@ record `parts/part-<part>.json` exists; re-running skips done parts and redoes t
 scratch, so an interrupted run resumes. The first `--val-tokens` tokens of part 0 go to
 `val_000.bin`. When every part is done, `manifest.json` lists the shards, their token counts and
 the tokenizer (name, vocab size, EOT id); training checks it against the model.
+
+The first run writes its plan to `plan.json`: everything that decides which documents a part
+holds and how it is written (the source and its input files, the text field, the tokenizer,
+`--parts`, `--shard-tokens`, `--val-tokens`, the split rule). A re-run with another plan is refused
+(exit status 2, naming what differs): its parts would overlap the folder's and repeat or lose
+documents. Re-run with the folder's settings to resume it, or start over in a new or empty folder.
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 
-from atma_titan.data.documents import DataSourceError, EmptyPartError, HFDataset, TextFiles
+from atma_titan.data.documents import SPLIT_VERSION, DataSourceError, EmptyPartError, HFDataset, TextFiles
 from atma_titan.data.shards import write_shard
 from atma_titan.data.tokenizer import build_tokenizer, encode_batch
 from atma_titan.errors import InputError
 
 MANIFEST = "manifest.json"
+PLAN = "plan.json"
 PARTS_DIR = "parts"
+
+
+class PlanMismatch(InputError):
+    """The output folder was started with another plan (parts, tokenizer, inputs, ...) than this run's."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,97 @@ class _ShardWriter:
         self.buffer, self.buffered = [], 0
 
 
+# ---------------------------------------------------------------------------- the plan
+
+# Plan entry -> how to name it in a message (the command-line flag that sets it).
+_PLAN_FLAGS = {
+    "source": "--source",
+    "dataset": "--path",
+    "hf_config": "--hf-config",
+    "hf_split": "--hf-split",
+    "text_field": "--text-field",
+    "parts": "--parts",
+    "shard_tokens": "--shard-tokens",
+    "val_tokens": "--val-tokens",
+}
+
+
+def job_plan(job: Job, source, tokenizer) -> dict:
+    """What decides the output folder's contents; a text source's inputs are its files, not the pattern's spelling."""
+    plan = {
+        "split": SPLIT_VERSION,
+        "source": job.source,
+        "inputs": {"files": source.num_files, "fingerprint": source.fingerprint()},
+        "text_field": job.text_field,
+        "tokenizer": {"name": job.tokenizer, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id},
+        "parts": job.parts,
+        "shard_tokens": job.shard_tokens,
+        "val_tokens": job.val_tokens,
+    }
+    if job.source == "hf":
+        plan.update(dataset=job.path, hf_config=job.hf_config, hf_split=job.hf_split)
+    return plan
+
+
+def plan_differences(ours: dict, theirs: dict) -> list[str]:
+    """Human-readable differences between this run's plan and the folder's."""
+    out = []
+    for key in sorted(set(ours) | set(theirs)):
+        now, then = ours.get(key), theirs.get(key)
+        if now == then:
+            continue
+        if key == "inputs":
+            now_files, then_files = (now or {}).get("files"), (then or {}).get("files")
+            what = (
+                f"{now_files} files now, {then_files} when the folder was started"
+                if now_files != then_files
+                else f"{now_files} files under other names than when the folder was started"
+            )
+            out.append(f"the input files (--path): {what}")
+        elif key == "tokenizer":
+            out.append(f"--tokenizer: {_tokenizer_text(now)} now, {_tokenizer_text(then)} in the folder")
+        elif key == "split":
+            out.append(f"the split rule of atma_titan: version {now} now, {then} in the folder")
+        else:
+            out.append(f"{_PLAN_FLAGS.get(key, key)}: {now!r} now, {then!r} in the folder")
+    return out
+
+
+def _tokenizer_text(tokenizer: dict | None) -> str:
+    if not tokenizer:
+        return "none"
+    return f"{tokenizer['name']!r} (vocab {tokenizer['vocab_size']:,}, EOT {tokenizer['eot_id']})"
+
+
+def _has_output(fs, root: str) -> bool:
+    """Whether the folder holds prepare output (part records, shards or a manifest)."""
+    records, shards = fs.glob(_join(root, PARTS_DIR, "part-*.json")), fs.glob(_join(root, "*.bin"))
+    return bool(records or shards or fs.exists(_join(root, MANIFEST)))
+
+
+def check_plan(job: Job, fs, root: str, plan: dict) -> None:
+    """Record this run's plan in a new folder; refuse a folder started with another one (PlanMismatch)."""
+    path = _join(root, PLAN)
+    if not fs.exists(path):
+        if _has_output(fs, root):
+            raise PlanMismatch(
+                f"{job.out} holds prepare output without a {PLAN} (written by an older atma_titan), so whether this "
+                f"run's plan matches it cannot be checked. Start over: remove {job.out} or choose another --out"
+            )
+        _write_json(fs, path, plan)
+        return
+    differences = plan_differences(plan, json.loads(fs.cat(path)))
+    if differences:
+        raise PlanMismatch(
+            f"{job.out} was started with another plan ({'; '.join(differences)}): its parts and this run's would "
+            "overlap and repeat or lose documents. Re-run with the folder's settings to resume it, or start over: "
+            f"remove {job.out} or choose another --out"
+        )
+
+
+# ---------------------------------------------------------------------------- the parts
+
+
 def _one_pass(job: Job, part: int):
     """This part's documents, once (sources repeat epochs for training; a part may be empty)."""
     try:
@@ -150,8 +252,10 @@ def _run_part(args: tuple[Job, int]) -> dict:
 def prepare(job: Job, workers: int = 1, progress: bool = True) -> dict:
     """Run every part not yet done (in `workers` processes), then write and return the manifest."""
     tokenizer = build_tokenizer(job.tokenizer)  # fail fast (offline, unknown name) before any worker starts
+    source = job.document_source()  # and a missing input, before anything is written
     fs, root = fsspec.core.url_to_fs(job.out)
     fs.makedirs(_join(root, PARTS_DIR), exist_ok=True)
+    check_plan(job, fs, root, job_plan(job, source, tokenizer))
     done = {int(p.rsplit("-", 1)[1].split(".")[0]) for p in fs.glob(_join(root, PARTS_DIR, "part-*.json"))}
     todo = [p for p in range(job.parts) if p not in done]
     if done:

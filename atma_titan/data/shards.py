@@ -32,6 +32,9 @@ skipped each epoch). A window may span shards; it is their concatenation.
 `window(i, L)` is a pure function of the shard files, `i` and `L`: the loader holds the position.
 Local files are memory-mapped, remote ones (any fsspec URL: s3://, gs://, https://, memory://)
 are read with ranged reads, so nothing is downloaded up front and construction reads headers only.
+Remote access goes through atma_titan.data.remote: a missing back-end names the `remote` extra,
+reads are retried on transient failures, and 404 / 403 / a server without range requests are
+clear errors. An HTTP listing (an HTML index page) gives no sizes: then the headers do.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from atma_titan.data.remote import check_range_support, http_status, is_http, is_transient, retrying, url_to_fs
 from atma_titan.errors import InputError
+from atma_titan.redact import redact_text, redact_url
 
 __all__ = ["BinShards", "ShardError", "ShardHeader", "read_header", "write_shard"]
 
@@ -64,6 +68,18 @@ _MAX_COUNT = 2**31 - 1  # the header stores the count as int32
 _WRITE_CHUNK = 1 << 24  # tokens converted per write, so a big shard is not copied whole
 _REMOTE_BLOCK = 4 << 20  # read-ahead per remote file: a rank's next windows are usually just after
 _MAX_OPEN_REMOTE = 4  # open remote files kept per process (each holds up to one read-ahead block)
+# Fields of fsspec's info() that change with a remote file's content (s3, gcs, http, memory).
+_VERSION_FIELDS = (
+    "ETag",
+    "etag",
+    "md5Hash",
+    "generation",
+    "LastModified",
+    "Last-Modified",
+    "mtime",
+    "updated",
+    "created",
+)
 
 
 class ShardError(InputError):
@@ -87,12 +103,15 @@ class ShardHeader:
 # ---------------------------------------------------------------------------------------- headers
 
 
-def _parse_header(url: str, raw: bytes, size: int) -> ShardHeader:
-    """Check a shard's header bytes against its file size (`size` bytes)."""
-    if size < HEADER_BYTES or len(raw) < HEADER_BYTES:
+def _parse_header(url: str, raw: bytes, size: int | None) -> ShardHeader:
+    """Check a shard's header bytes against its file size (`size` bytes; None: unknown, e.g. an HTTP listing).
+
+    With the size unknown the header's count is trusted; a truncated file then fails on the read of
+    its missing tokens, with a message naming it."""
+    if (size if size is not None else len(raw)) < HEADER_BYTES or len(raw) < HEADER_BYTES:
         raise ShardError(
-            f"{url} is {size} bytes, shorter than the {HEADER_BYTES}-byte llm.c header: not an llm.c token "
-            f"shard, or an interrupted download or write; fetch or write it again"
+            f"{url} is {size if size is not None else len(raw)} bytes, shorter than the {HEADER_BYTES}-byte llm.c "
+            f"header: not an llm.c token shard, or an interrupted download or write; fetch or write it again"
         )
     magic, version, count = (int(v) for v in np.frombuffer(raw[:12], dtype="<i4"))
     if magic not in (MAGIC_GPT2, MAGIC_LLAMA3):
@@ -106,7 +125,7 @@ def _parse_header(url: str, raw: bytes, size: int) -> ShardHeader:
     if count < 0:
         raise ShardError(f"{url}: negative token count {count} in the header: the shard is corrupt")
     header = ShardHeader(url, version, count, dtype)
-    if size != header.file_bytes:
+    if size is not None and size != header.file_bytes:
         held = (size - HEADER_BYTES) // dtype.itemsize
         problem = "truncated" if size < header.file_bytes else "longer than its header says"
         raise ShardError(
@@ -119,20 +138,28 @@ def _parse_header(url: str, raw: bytes, size: int) -> ShardHeader:
 
 def read_header(path: str) -> ShardHeader:
     """Read and check the header of the shard at `path` (a local path or any fsspec URL)."""
-    fs, fspath = fsspec.core.url_to_fs(path)
+    fs, fspath = url_to_fs(path, "shard")
     size = _file_size(fs, fspath, path)
-    raw = fs.cat_file(fspath, 0, HEADER_BYTES) if size >= HEADER_BYTES else b""
+    check_range_support(fs, fspath, path)
+    small = size is not None and size < HEADER_BYTES
+    raw = b"" if small else _remote(fs, path, "reading the header", lambda: fs.cat_file(fspath, 0, HEADER_BYTES))
     return _parse_header(path, raw, size)
 
 
-def _file_size(fs, fspath: str, url: str) -> int:
+def _remote(fs, url: str, doing: str, call):
+    """`call()`: as it is on a local disk, with retries and clear errors on a remote store."""
+    return call() if isinstance(fs, LocalFileSystem) else retrying(url, doing, call)
+
+
+def _file_size(fs, fspath: str, url: str) -> int | None:
+    """Size in bytes of the file at `fspath` (None: the server does not say)."""
     try:
-        info = fs.info(fspath)
-    except FileNotFoundError:
+        info = _remote(fs, url, "looking it up", lambda: fs.info(fspath))
+    except FileNotFoundError:  # a local file; a remote one raises RemoteDataError, which says "not found" too
         raise ShardError(f"shard {url} not found: check the path") from None
     if info.get("type") == "directory":
         raise ShardError(f"{url} is a directory, not a shard; give a file or a glob such as {url}/*.bin")
-    return int(info["size"])
+    return None if info.get("size") is None else int(info["size"])
 
 
 # ---------------------------------------------------------------------------------------- writing
@@ -186,7 +213,7 @@ def write_shard(path: str, tokens: np.ndarray | Sequence[int], *, dtype=None) ->
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (MAGIC_GPT2, version, len(arr))
 
-    fs, fspath = fsspec.core.url_to_fs(path)
+    fs, fspath = url_to_fs(path, "shard")
     if isinstance(fs, LocalFileSystem):  # object stores have no directories to create
         fs.makedirs(fs._parent(fspath), exist_ok=True)
     tmp = fspath + ".tmp"
@@ -213,17 +240,19 @@ def _remove_quietly(fs, path: str) -> None:
 # ---------------------------------------------------------------------------------------- reading
 
 
-def _has_magic(pattern: str) -> bool:
-    return any(c in pattern for c in "*?[")
+def _has_magic(fs, pattern: str) -> bool:
+    """Whether `pattern` is a glob; in a URL "?" starts the query (fsspec's HTTP glob agrees)."""
+    return any(c in pattern for c in ("*[" if is_http(fs) else "*?["))
 
 
-def _expand(pattern: str) -> list[tuple[object, str, str, int]]:
-    """The files `pattern` names, sorted by name: (filesystem, fs path, URL, size)."""
-    fs, fspath = fsspec.core.url_to_fs(pattern)
+def _expand(pattern: str) -> list[tuple[object, str, str, int | None]]:
+    """The files `pattern` names, sorted by name: (filesystem, fs path, URL, size or None where unknown)."""
+    fs, fspath = url_to_fs(pattern, "shard pattern")
     local = isinstance(fs, LocalFileSystem)
-    if _has_magic(fspath) and not fs.isfile(fspath):  # a file named with "[" is still just a file
-        found = fs.glob(fspath, detail=True)
-        files = [(p, int(info["size"])) for p, info in sorted(found.items()) if info.get("type") != "directory"]
+    is_glob = _has_magic(fs, fspath) and not _remote(fs, pattern, "looking it up", lambda: fs.isfile(fspath))
+    if is_glob:  # a file named with "[" is still just a file
+        found = _remote(fs, pattern, "listing the matching shards", lambda: _glob(fs, fspath))
+        files = [(p, _size(info)) for p, info in sorted(found.items()) if info.get("type") != "directory"]
         if not files:
             raise ShardError(f"no shard matches {pattern!r}: check the path and the glob pattern")
     else:
@@ -234,12 +263,35 @@ def _expand(pattern: str) -> list[tuple[object, str, str, int]]:
     return [(fs, p, p if local else fs.unstrip_protocol(p), size) for p, size in files]
 
 
-def _read_headers(files: list[tuple[object, str, str, int]]) -> list[ShardHeader]:
+def _glob(fs, fspath: str) -> dict:
+    """fs.glob, where HTTP raises listing failures: fsspec's walk drops a folder it cannot list, and an
+    HTTP server that is down would look like no match (an index page that is not there still is one)."""
+    if not is_http(fs):
+        return fs.glob(fspath, detail=True)
+    try:
+        return fs.glob(fspath, detail=True, on_error="raise")
+    except FileNotFoundError as e:
+        if is_transient(e) or http_status(e) not in (None, 404):
+            raise
+        return {}
+
+
+def _size(info: dict) -> int | None:
+    return None if info.get("size") is None else int(info["size"])  # an HTTP index page lists no sizes
+
+
+def _read_headers(files: list[tuple[object, str, str, int | None]]) -> list[ShardHeader]:
     """Headers of `files` (all on one filesystem), fetched in one batch: concurrent on remote stores."""
     fs = files[0][0]
-    readable = [p for _, p, _, size in files if size >= HEADER_BYTES]
-    raws = fs.cat_ranges(readable, [0] * len(readable), [HEADER_BYTES] * len(readable), on_error="raise")
-    raw_of = dict(zip(readable, raws))
+    readable = [p for _, p, _, size in files if size is None or size >= HEADER_BYTES]
+    if readable:
+        check_range_support(fs, readable[0], files[0][2])  # before a batch that would download whole files
+
+        def batch():
+            return fs.cat_ranges(readable, [0] * len(readable), [HEADER_BYTES] * len(readable), on_error="raise")
+
+        raws = _remote(fs, files[0][2], f"reading the headers of {len(readable)} shard(s)", batch)
+    raw_of = dict(zip(readable, raws)) if readable else {}
     return [_parse_header(url, raw_of.get(p, b""), size) for _, p, url, size in files]
 
 
@@ -291,6 +343,39 @@ class BinShards:
         """Shard paths (local) or URLs (remote), in stream order."""
         return [h.path for h in self.headers]
 
+    def is_remote(self, k: int) -> bool:
+        """Whether shard `k` is read over the network (any fsspec store but the local disk)."""
+        return not isinstance(self._fs[k], LocalFileSystem)
+
+    def read_tokens(self, k: int, offset: int, n: int) -> np.ndarray:
+        """Tokens ``[offset, offset + n)`` of shard `k` in its dtype, unchecked: for scans of whole shards.
+
+        Remote: one ranged read (retried), past the open files, so a scan's large reads neither evict
+        nor fill the read-ahead buffers that training reads use."""
+        if not self.is_remote(k):
+            return self._read(k, offset, n)
+        self._own_files()
+        h, fs, path = self.headers[k], self._fs[k], self._paths[k]
+        start = h.header_bytes + offset * h.dtype.itemsize
+        nbytes = n * h.dtype.itemsize
+        data = retrying(
+            h.path, f"reading {n} tokens at token {offset}", lambda: fs.cat_file(path, start, start + nbytes)
+        )
+        if len(data) != nbytes:
+            raise ShardError(f"{h.path}: read {len(data)} of {nbytes} bytes at token {offset}; the shard was truncated")
+        return np.frombuffer(data, dtype=h.dtype)
+
+    def fingerprint(self, k: int) -> dict:
+        """What identifies the current content of shard `k`: its size and modification time (local), or its
+        size and the store's version fields (ETag, Last-Modified, generation, ...)."""
+        fs, path, h = self._fs[k], self._paths[k], self.headers[k]
+        if not self.is_remote(k):
+            st = os.stat(path)
+            return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        info = retrying(h.path, "looking it up", lambda: fs.info(path))
+        versions = {key: str(info[key]) for key in _VERSION_FIELDS if info.get(key) is not None}
+        return {"url": redact_url(h.path), "size": info.get("size") or h.file_bytes, **versions}
+
     def num_windows(self, length: int) -> int:
         """Windows of `length` tokens per epoch (consecutive windows share one token)."""
         if length < 2:
@@ -331,7 +416,7 @@ class BinShards:
 
     def __repr__(self) -> str:
         dtypes = "/".join(sorted({str(h.dtype.newbyteorder("=")) for h in self.headers}))
-        return (
+        return redact_text(  # a repr is printed and logged: no credential in a URL
             f"BinShards({self.pattern!r}: {len(self.headers)} shards, {self.num_tokens:,} tokens, {dtypes}, "
             f"vocab_size={self.vocab_size})"
         )
@@ -348,6 +433,18 @@ class BinShards:
         self.__dict__.update(state)
         self._reset_open_files()
 
+    def _own_files(self) -> None:
+        """In a forked worker: new file objects, and new remote filesystems (an async one's event loop
+        belongs to the parent: fsspec refuses to use it after a fork); fsspec's instance cache, keyed by
+        process, makes each anew from its arguments."""
+        if self._pid == os.getpid():
+            return
+        self._reset_open_files()
+        self._fs = [
+            fs if isinstance(fs, LocalFileSystem) else type(fs)(*fs.storage_args, **fs.storage_options)
+            for fs in self._fs
+        ]
+
     def _reset_open_files(self) -> None:
         self._memmaps: dict[int, np.memmap] = {}
         self._remote: OrderedDict[int, object] = OrderedDict()
@@ -358,8 +455,7 @@ class BinShards:
 
     def _read(self, k: int, offset: int, n: int) -> np.ndarray:
         """Tokens ``[offset, offset + n)`` of shard `k`, in the shard's dtype."""
-        if self._pid != os.getpid():  # a forked worker: don't share the parent's file objects
-            self._reset_open_files()
+        self._own_files()
         if isinstance(self._fs[k], LocalFileSystem):
             return self._memmap(k)[offset : offset + n]
         return self._read_remote(k, offset, n)
@@ -375,10 +471,15 @@ class BinShards:
     def _read_remote(self, k: int, offset: int, n: int) -> np.ndarray:
         h = self.headers[k]
         nbytes = n * h.dtype.itemsize
-        with self._lock:  # an open file has one position: serialise seek + read
-            handle = self._remote_file(k)
-            handle.seek(h.header_bytes + offset * h.dtype.itemsize)
-            data = handle.read(nbytes)
+
+        def attempt() -> bytes:
+            with self._lock:  # an open file has one position: serialise seek + read
+                handle = self._remote_file(k)
+                handle.seek(h.header_bytes + offset * h.dtype.itemsize)
+                return handle.read(nbytes)
+
+        # A long run must not die on one failed read: transient failures are retried (data.remote).
+        data = retrying(h.path, f"reading {n} tokens at token {offset}", attempt, on_retry=lambda: self._drop(k))
         if len(data) != nbytes:
             raise ShardError(
                 f"{h.path}: read {len(data)} of {nbytes} bytes at token {offset}; "
@@ -390,11 +491,24 @@ class BinShards:
         """Open file for shard `k` from a small LRU cache (each holds a read-ahead buffer)."""
         handle = self._remote.pop(k, None)
         if handle is None:
-            handle = self._fs[k].open(self._paths[k], "rb", block_size=_REMOTE_BLOCK, cache_type="readahead")
+            fs = self._fs[k]
+            # HTTP: the size from the header, so opening sends no HEAD request (nor needs one to work)
+            size = {"size": self.headers[k].file_bytes} if is_http(fs) else {}
+            handle = fs.open(self._paths[k], "rb", block_size=_REMOTE_BLOCK, cache_type="readahead", **size)
             while len(self._remote) >= _MAX_OPEN_REMOTE:
                 self._remote.popitem(last=False)[1].close()
         self._remote[k] = handle  # most recently used last
         return handle
+
+    def _drop(self, k: int) -> None:
+        """Forget shard `k`'s open file after a failed read: its buffer and position are unknown."""
+        with self._lock:
+            handle = self._remote.pop(k, None)
+        if handle is not None:
+            try:
+                handle.close()
+            except Exception:
+                pass  # the connection is already broken; the next read opens a new one
 
     def _check_vocab(self, k: int, piece: np.ndarray, offset: int) -> None:
         if self.vocab_size is None or int(piece.max()) < self.vocab_size:

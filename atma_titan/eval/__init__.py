@@ -19,7 +19,7 @@ The names below import lazily, on first use: `import atma_titan.eval.report` loa
 
 from __future__ import annotations
 
-import importlib
+from atma_titan.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "common": ["EvalInputError", "parse_sizes", "size_label"],
@@ -40,17 +40,5 @@ _EXPORTS = {
     ],
     "report": ["plot_length_curves", "plot_needle", "write_results"],
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -7,7 +7,14 @@ A checkpoint path may be:
 * a run's dump folder `<run>/`: its checkpoint folder (`[checkpoint] folder` of its config.toml),
   or, when that holds no complete step, its exported `model.safetensors`;
 * an exported `.safetensors` file (`[checkpoint] export_safetensors = true` writes
-  `<run>/model.safetensors`); its step is read from the run's DONE marker when there is one.
+  `<run>/model.safetensors`); its step is read from the run's DONE marker when there is one;
+* an exported Hugging Face folder (`python -m atma_titan.export`, `[checkpoint] export_hf = true`):
+  its training_config.toml is the run config, its config.json must describe the same model.
+
+A DCP checkpoint is verified against the manifest in its COMPLETE marker before its weights load,
+and nothing in it or in a .safetensors file runs code when read (see atma_titan.checkpoint); a
+damaged or unreadable one is an InputError naming the file (the commands exit 2), with the other
+complete steps the folder holds for `--step`.
 
 The run config is `<run>/config.toml` (the trainer writes the resolved config there); the model is
 built from its `[model]` section (flavor and overrides), so an ablation cell is evaluated with the
@@ -26,6 +33,7 @@ from atma_titan.config import JobConfig, load_config
 from atma_titan.data import check_vocab
 from atma_titan.data.tokenizer import build_tokenizer
 from atma_titan.eval.common import EvalInputError
+from atma_titan.hf.load import RUN_CONFIG, check_same_model, hf_step, is_hf_folder, load_hf_weights, read_hf_model_args
 from atma_titan.models import ATMA, ModelArgs, build_model, resolve_model_args
 from atma_titan.run_folder import (
     COMPLETE_NAME,
@@ -51,7 +59,7 @@ __all__ = [
 @dataclass
 class ResolvedCheckpoint:
     path: Path  # the step directory or .safetensors file to read
-    kind: str  # "dcp" | "safetensors"
+    kind: str  # "dcp" | "safetensors" | "hf"
     step: int | None
     run_dir: Path  # the run's dump folder (default home of config.toml and eval/)
     config: Path | None  # the run's config.toml, if found
@@ -90,6 +98,9 @@ def resolve_checkpoint(path: str | Path, step: int | None = None) -> ResolvedChe
         return ResolvedCheckpoint(
             path, "safetensors", step if step is not None else run.done_step(), run.path, _config_near(run.path)
         )
+    if is_hf_folder(path):  # an exported Hugging Face folder (python -m atma_titan.export, checkpoint.export_hf)
+        config = path / RUN_CONFIG if (path / RUN_CONFIG).is_file() else None
+        return ResolvedCheckpoint(path, "hf", hf_step(path) if step is None else step, path, config)
     if is_complete(path):  # a step directory
         own = step_of(path)
         if step is not None and own is not None and step != own:
@@ -135,7 +146,9 @@ def load_run_config(resolved: ResolvedCheckpoint, config: str | Path | None = No
 def load_eval_model(args: ModelArgs, resolved: ResolvedCheckpoint, device: torch.device) -> ATMA:
     """Build the model `args` describes unsharded on `device` and load the checkpoint's weights into it."""
     model = build_model(args, device)  # every tensor is then overwritten (strict load)
-    if resolved.kind == "safetensors":
+    if resolved.kind == "hf":
+        load_hf_weights(model, resolved.path)
+    elif resolved.kind == "safetensors":
         load_safetensors(model, resolved.path)
     else:
         load_model_only(model, resolved.path)
@@ -157,6 +170,10 @@ def open_checkpoint(path: str | Path, step: int | None = None, config: str | Pat
     resolved = resolve_checkpoint(path, step)
     cfg = load_run_config(resolved, config)
     model_args = resolve_model_args(cfg.model)
+    if resolved.kind == "hf":  # its config.json is the model; its own tokenizer files, when it has them
+        check_same_model(model_args, read_hf_model_args(resolved.path), resolved.path, f"{resolved.config}")
+        if (resolved.path / "tokenizer.json").is_file():
+            cfg.data.tokenizer = str(resolved.path)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     check_vocab(cfg.data.tokenizer, tokenizer.vocab_size, model_args.vocab_size)
     return OpenCheckpoint(resolved, cfg, model_args, tokenizer)
