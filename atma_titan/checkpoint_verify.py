@@ -44,10 +44,17 @@ def local_problems(ckpt: Path, marker: Marker, rank: int, world_size: int) -> li
         if problem:
             problems.append(f"{name}: {problem}")
     if rank == 0:
-        problems += [f"{name}: present, but not in the manifest" for name in unlisted_files(ckpt, marker.files)]
+        unlisted = [name for name in unlisted_files(ckpt, marker.files) if _is_checkpoint_file(name)]
+        problems += [f"{name}: present, but not in the manifest" for name in unlisted]
         if METADATA_NAME not in marker.files:
             problems.append(f"{METADATA_NAME}: not in the manifest")
     return problems
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    """A kind of file a save writes. An unlisted one means the directory is not what was saved (another job
+    wrote into it); other files (a README, an editor's backup) are never read by a load and do not count."""
+    return name == METADATA_NAME or name.endswith(".distcp") or name.startswith(f"{RANK_STATE_DIR}/")
 
 
 def _unpickle_problem(ckpt: Path, name: str, files: dict[str, FileEntry]) -> str | None:

@@ -148,7 +148,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one_exactly(tmp_pa
 def test_every_problem_is_named(tmp_path):
     saved_steps(tmp_path, [1])
     ckpt = tmp_path / "step-1"
-    (ckpt / "stray.bin").write_bytes(b"x")
+    (ckpt / "__9_0.distcp").write_bytes(b"x")  # a checkpoint file no save of this step wrote
+    (ckpt / "notes.txt").write_text("a file of the user's: no part of the checkpoint, not a problem")
     damage(ckpt / "__0_0.distcp", "truncate")
     (ckpt / "rank_state" / "rank-0.pt").unlink()
     with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as raised:
@@ -157,7 +158,7 @@ def test_every_problem_is_named(tmp_path):
     assert isinstance(raised.value, InputError) and f"no checkpoint under {tmp_path} verifies" in message
     assert "__0_0.distcp: " in message and "(truncated)" in message
     assert "rank_state/rank-0.pt: missing" in message
-    assert "stray.bin: present, but not in the manifest" in message
+    assert "__9_0.distcp: present, but not in the manifest" in message and "notes.txt" not in message
 
 
 def test_none_verifying_lists_what_was_tried(tmp_path):
