@@ -106,13 +106,9 @@ class StreamCursor:
 
 
 def _gather_positions(local: dict[int, dict | None]) -> dict[int, dict | None]:
-    import torch.distributed as dist
+    from atma_titan.parallel.dims import all_gather_objects
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return dict(local)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    return {part: position for positions in gathered for part, position in positions.items()}
+    return {part: position for positions in all_gather_objects(local) for part, position in positions.items()}
 
 
 class TrainData:

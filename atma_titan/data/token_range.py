@@ -98,19 +98,13 @@ def check_token_ids(
                 f"different tokenizer or are corrupt; re-tokenize them or raise model.vocab_size"
             )
             break
-    if collective and world_size > 1:  # every rank raises the same error, so all exit 2 together
-        problem = _first_of_all_ranks(problem, world_size)
+    if collective:  # every rank raises the same error, so all exit 2 together
+        from atma_titan.parallel.dims import all_gather_objects
+
+        problem = next((p for p in all_gather_objects(problem) if p is not None), None)
     if problem is not None:
         raise ShardError(problem)
     return RangeCheck(checked=len(mine), scanned=scanned, cached=cached)
-
-
-def _first_of_all_ranks(problem: str | None, world_size: int) -> str | None:
-    import torch.distributed as dist
-
-    problems: list[str | None] = [None] * world_size
-    dist.all_gather_object(problems, problem)
-    return next((p for p in problems if p is not None), None)
 
 
 def _rank_share(rank: int | None, world_size: int | None) -> tuple[int, int]:

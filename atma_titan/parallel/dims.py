@@ -115,6 +115,15 @@ def all_reduce_sum(values: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     return values
 
 
+def all_gather_objects(obj):
+    """`obj` of every rank, in rank order, over the default process group; [obj] in a single process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
