@@ -101,6 +101,17 @@ def test_eot_stops_a_sequence_and_frees_its_cache():
     assert engine.cache.free_pages == free and len(engine.cache._free_slots) == 2
 
 
+def test_a_stop_predicate_finishes_a_sequence_and_frees_its_cache():
+    model = perturbed_debug_model()
+    engine = Generator(model, max_batch=2, max_context=64, page_size=4)
+    free = engine.cache.free_pages
+    stop_at_three = lambda generated: len(generated) == 3  # noqa: E731
+    events = list(engine.generate([Request(PROMPTS[0], 8, 0, stop_at_three), Request(PROMPTS[1], 8, 1)]))
+    assert [e.finished for e in events if e.index == 0] == [None, None, "stop"]
+    assert [e.finished for e in events if e.index == 1][-1] == "length"
+    assert engine.cache.free_pages == free and len(engine.cache._free_slots) == 2
+
+
 def test_small_pool_runs_prompts_one_after_another():
     """A pool with room for one sequence at a time still finishes every prompt, each as if alone."""
     model = perturbed_debug_model()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,11 +38,13 @@ class Request:
     prompt: list[int]
     max_new_tokens: int
     index: int = 0  # the caller's number for it; events carry it
+    # stop(generated tokens) after each new token: True finishes the sequence ("stop"), e.g. at a stop string
+    stop: Callable[[list[int]], bool] | None = None
 
 
 @dataclass(frozen=True)
 class Event:
-    """One new token of request `index`; `finished` is "eot" or "length" on its last token, else None."""
+    """One new token of request `index`; `finished` is "eot", "length" or "stop" on its last token, else None."""
 
     index: int
     token: int
@@ -290,6 +292,8 @@ class Generator:
                 seq.finished = "eot"
             elif len(seq.generated) >= seq.request.max_new_tokens:
                 seq.finished = "length"
+            elif seq.request.stop is not None and seq.request.stop(seq.generated):
+                seq.finished = "stop"
             if seq.finished and seq.allocation is not None:
                 self.cache.release(seq.allocation)
             yield Event(seq.request.index, token, seq.finished, None if kept is None else kept[row])

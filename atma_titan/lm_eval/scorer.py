@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from atma_titan.errors import InputError
 from atma_titan.eval.inference import evaluating, pad_right
-from atma_titan.inference import Event, Generator, Request, Sampling, cast_for_inference
+from atma_titan.inference import Generator, Request, Sampling, cast_for_inference
 
 __all__ = ["DEFAULT_MAX_GEN_TOKS", "AtmaScorer", "GenerationSettings", "generation_settings"]
 
@@ -66,32 +66,6 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
     """`text` up to (not including) the earliest stop string it holds."""
     ends = [text.find(stop) for stop in until]
     return text[: min((e for e in ends if e >= 0), default=len(text))]
-
-
-class _StoppingGenerator(Generator):
-    """A Generator that also finishes a sequence once its text holds one of its stop strings.
-
-    The base class finishes a sequence at EOT or max_new_tokens only; finishing it here (after the
-    token that completes the stop string) frees its slot and pages for the next prompt at once,
-    instead of decoding up to max_gen_toks tokens that are cut off afterwards.
-    """
-
-    def __init__(self, model, *, tokenizer, stops: dict[int, Sequence[str]], **kwargs):
-        super().__init__(model, **kwargs)
-        self.tokenizer = tokenizer
-        self.stops = stops  # request index -> its stop strings
-
-    def _advance(self, seqs, logits) -> Iterator[Event]:
-        for seq, event in zip(seqs, super()._advance(seqs, logits)):
-            until = self.stops.get(seq.request.index)
-            if event.finished is None and until:
-                text = self.tokenizer.decode(seq.generated)
-                if any(stop in text for stop in until):
-                    seq.finished = "stop"
-                    if seq.allocation is not None:
-                        self.cache.release(seq.allocation)
-                    event = Event(event.index, event.token, "stop", event.logits)
-            yield event
 
 
 class AtmaScorer:
@@ -251,6 +225,12 @@ class AtmaScorer:
 
     # -- generation -------------------------------------------------------------------------------
 
+    def _stop_at(self, until: Sequence[str]):
+        """Request.stop for `until`: whether the text generated so far holds one of the stop strings."""
+        if not until:
+            return None
+        return lambda generated: any(stop in self.tokenizer.decode(generated) for stop in until)
+
     def generate_until(self, requests: Sequence[tuple[str, dict]]) -> list[str]:
         """The text generated after [EOT] + context, up to its first stop string, for (context, gen_kwargs)."""
         settings = [generation_settings(kwargs) for _, kwargs in requests]
@@ -266,10 +246,8 @@ class AtmaScorer:
                     )
                 keep = self.max_length - max_gen_toks  # the prompt's last tokens, as the harness's HF model does
                 prompts = {i: ([self.eot_id] + self.encode(requests[i][0]))[-keep:] for i in members}
-                engine = _StoppingGenerator(
+                engine = Generator(
                     self.model,
-                    tokenizer=self.tokenizer,
-                    stops={i: settings[i].until for i in members},
                     max_batch=min(self.batch_size, len(members)),
                     max_context=max(len(p) for p in prompts.values()) + max_gen_toks,
                     eot_id=self.eot_id,
@@ -277,7 +255,10 @@ class AtmaScorer:
                     seed=self.seed,
                 )
                 generated: dict[int, list[int]] = {i: [] for i in members}
-                for event in engine.generate([Request(prompts[i], max_gen_toks, i) for i in members]):
+                # a sequence finishes after the token that completes a stop string: its slot and pages go to
+                # the next prompt at once, instead of decoding up to max_gen_toks tokens that are cut off
+                batch = [Request(prompts[i], max_gen_toks, i, self._stop_at(settings[i].until)) for i in members]
+                for event in engine.generate(batch):
                     if event.finished != "eot":
                         generated[event.index].append(event.token)
                     if event.finished:
