@@ -86,7 +86,8 @@ for _ in range(40):  # the "training loop"
     if stop.requested:
         break
     time.sleep(0.05)
-open(out, "w").write(str(stop.received))
+open(out + ".tmp", "w").write(str(stop.received))
+os.replace(out + ".tmp", out)  # whole: the test reads it the moment it exists
 """
 
 
