@@ -80,6 +80,13 @@ class Training:
     nan_policy: str = opt(
         "abort", "On a NaN/Inf loss or gradient: stop (last checkpoint intact) or skip the step.", ("abort", "skip")
     )
+    loss: str = opt(
+        "fused",
+        "LM loss: fused (the head computes CE and its gradients chunk by chunk, never holding the tokens x vocab "
+        "logits) or plain (fp32 logits, then cross-entropy).",
+        ("fused", "plain"),
+    )
+    loss_chunk_mib: float = opt(256.0, "loss = fused: fp32 logits per chunk of tokens, in MiB.")
 
 
 @dataclass
@@ -90,6 +97,13 @@ class ActivationCheckpoint:
         ("none", "full", "selective"),
     )
     every_n: int = opt(1, "With mode = full: checkpoint every N-th block.")
+    selective_save: str = opt(
+        "matmuls",
+        "With mode = selective: the outputs kept besides the kernels': every matmul's (nothing is computed twice), "
+        "narrow_matmuls (the MLP up-projection is recomputed: about half the memory) or kernels (every matmul "
+        "is recomputed).",
+        ("matmuls", "narrow_matmuls", "kernels"),
+    )
 
 
 @dataclass
@@ -425,6 +439,7 @@ def validate(cfg: JobConfig) -> None:
         f"a multiple of training.seq_len ({t.seq_len})",
     )
     need(t.max_norm >= 0, "training.max_norm", t.max_norm, ">= 0")
+    need(t.loss_chunk_mib > 0, "training.loss_chunk_mib", t.loss_chunk_mib, "a number > 0")
     need(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, "an integer >= 1")
     need(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "an integer >= 0")
     need(cfg.data.recall_weight > 0, "data.recall_weight", cfg.data.recall_weight, "a number > 0")

@@ -7,12 +7,16 @@ per-head scalars), each with its own learning rate.
 
 from __future__ import annotations
 
+import functools
+import heapq
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from atma_titan.config import LRScheduler, Optimizer
 
@@ -39,7 +43,14 @@ def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.
 
 def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> list[torch.Tensor]:
     """orthogonalize() of every matrix, stacking those of one shape into one batched product: a model
-    has a few shapes repeated over its blocks, so a step launches a few dozen kernels, not thousands."""
+    has a few shapes repeated over its blocks, so a step launches a few dozen kernels, not thousands.
+
+    Every matrix goes through the batched (3-D) products, a lone one as a batch of one, so the kernels a
+    matrix meets do not depend on which other matrices share its batch, and each batch entry is its own
+    product: a matrix's result does not depend on its company (tested on CPU). The owner of a matrix under
+    sharded Muon batches other matrices than a single process does and so gets the same bits. A GPU BLAS
+    may pick another algorithm for another batch count; `benchmarks/muon_ownership.py --batch-invariance`
+    checks that on the device."""
     by_shape: dict[torch.Size, list[int]] = {}
     for i, u in enumerate(updates):
         by_shape.setdefault(u.shape, []).append(i)
@@ -48,23 +59,211 @@ def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> li
         per_batch = max(1, MAX_BATCH_ELEMENTS // shape.numel())  # bounds the stacked copies' memory
         for first in range(0, len(indices), per_batch):
             chunk = indices[first : first + per_batch]
-            if len(chunk) == 1:  # unstacked: the same products as torch.optim.Muon, bit for bit
-                out[chunk[0]] = orthogonalize(updates[chunk[0]], steps, eps)
-                continue
             for i, x in zip(chunk, orthogonalize(torch.stack([updates[i] for i in chunk]), steps, eps).unbind(0)):
                 out[i] = x
     return out
 
 
+def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> int:
+    """FLOPs (2 per multiply-add) of orthogonalize() on one (rows, cols) matrix: per iteration, with
+    s = min(rows, cols) and l = max, the Gram matrix (2 s^2 l), its square (2 s^3) and the product
+    with x (2 s^2 l)."""
+    s, l = sorted(shape[-2:])
+    return steps * (4 * s * s * l + 2 * s**3)
+
+
+@dataclass(frozen=True)
+class MuonOwnership:
+    """Which rank orthogonalises each matrix, and what that costs each rank per optimizer step."""
+
+    owners: tuple[int, ...]  # owner rank of each matrix, in the order of the shapes given
+    rank_flops: tuple[int, ...]  # Newton-Schulz FLOPs per step of each rank
+
+    @property
+    def total_flops(self) -> int:
+        """What every rank computed when each orthogonalised every matrix."""
+        return sum(self.rank_flops)
+
+
+def assign_owners(shapes, world_size: int, steps: int = 5) -> MuonOwnership:
+    """One owner per matrix, balancing Newton-Schulz FLOPs over `world_size` ranks.
+
+    Longest-processing-time-first greedy: matrices by descending cost (ties by position), each to the
+    rank with the least load so far (ties to the lowest rank). It uses only the shapes and the world
+    size, so every rank computes the same assignment without communicating."""
+    return _assign_owners(tuple(tuple(int(n) for n in s) for s in shapes), int(world_size), int(steps))
+
+
+@functools.lru_cache(maxsize=64)
+def _assign_owners(shapes: tuple[tuple[int, ...], ...], world_size: int, steps: int) -> MuonOwnership:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    costs = [newton_schulz_flops(s, steps) for s in shapes]
+    owners = [0] * len(shapes)
+    loads = [(0, rank) for rank in range(world_size)]  # a heap of (FLOPs so far, rank)
+    for i in sorted(range(len(shapes)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[i] = rank
+        heapq.heappush(loads, (load + costs[i], rank))
+    rank_flops = [0] * world_size
+    for i, rank in enumerate(owners):
+        rank_flops[rank] += costs[i]
+    return MuonOwnership(tuple(owners), tuple(rank_flops))
+
+
+def shard_rows(rows: int, world_size: int) -> list[int]:
+    """Rows of a Shard(0) DTensor on each rank: torch.chunk's split (ceil(rows / world) each, the last
+    ranks fewer or none), which both DTensor and FSDP2 use for dims that do not divide evenly."""
+    size = -(-rows // world_size)
+    return [max(0, min(size, rows - rank * size)) for rank in range(world_size)]
+
+
+def row_sharded_dim(u: DTensor) -> int | None:
+    """The mesh dim that shards `u` by rows when every other mesh dim replicates it (FSDP2: (Shard(0),);
+    HSDP: (Replicate(), Shard(0))), else None (such layouts take the all-gather path)."""
+    shard_dims = [d for d, p in enumerate(u.placements) if not isinstance(p, Replicate)]
+    if len(shard_dims) == 1 and type(u.placements[shard_dims[0]]) is Shard and u.placements[shard_dims[0]].dim == 0:
+        return shard_dims[0]
+    return None
+
+
+def full_or_local(u: torch.Tensor, gather: bool) -> torch.Tensor:
+    """The plain tensor behind `u`: its all-gathered whole, or this rank's local tensor."""
+    if not isinstance(u, DTensor):
+        return u
+    return u.full_tensor() if gather else u.to_local()
+
+
+@dataclass(frozen=True)
+class ShardExchange:
+    """The all-to-all layout of one shard group's matrices (see Muon): from shapes and group size only."""
+
+    rank: int
+    owners: tuple[int, ...]
+    rows: tuple[tuple[int, ...], ...]  # rows[i][k]: rows of matrix i that rank k holds
+    cols: tuple[int, ...]
+    by_owner: tuple[tuple[int, ...], ...]  # by_owner[k]: the matrices rank k owns, in parameter order
+    to_owner: tuple[int, ...]  # elements this rank sends to each rank: its shards of the matrices that rank owns
+    from_ranks: tuple[int, ...]  # elements this rank receives from each rank: their shards of its own matrices
+
+    @classmethod
+    def plan(cls, shapes: tuple[tuple[int, int], ...], world_size: int, rank: int, steps: int) -> "ShardExchange":
+        owners = assign_owners(shapes, world_size, steps).owners
+        rows = tuple(tuple(shard_rows(r, world_size)) for r, _ in shapes)
+        cols = tuple(c for _, c in shapes)
+        by_owner = tuple(tuple(i for i, o in enumerate(owners) if o == k) for k in range(world_size))
+        to_owner = tuple(sum(rows[i][rank] * cols[i] for i in by_owner[k]) for k in range(world_size))
+        from_ranks = tuple(sum(rows[i][k] * cols[i] for i in by_owner[rank]) for k in range(world_size))
+        return cls(rank, owners, rows, cols, by_owner, to_owner, from_ranks)
+
+    def gather_owned(self, shards: list[torch.Tensor], group) -> list[torch.Tensor]:
+        """First all-to-all: every rank sends its bf16 shard of each matrix to the matrix's owner, which
+        returns its whole matrices (bf16 is what orthogonalize() casts to first, so the bits are the same)."""
+        for i, shard in enumerate(shards):
+            if shard.shape != (self.rows[i][self.rank], self.cols[i]):
+                raise RuntimeError(
+                    f"Muon: a Shard(0) matrix of {self.rows[i]} rows per rank has local shape {tuple(shard.shape)}"
+                    f" on rank {self.rank}; expected torch.chunk's ({self.rows[i][self.rank]}, {self.cols[i]})"
+                )
+        send = torch.cat([shards[i].bfloat16().reshape(-1) for owned in self.by_owner for i in owned])
+        recv = send.new_empty(sum(self.from_ranks))
+        dist.all_to_all_single(recv, send, list(self.from_ranks), list(self.to_owner), group=group)
+        mine = self.by_owner[self.rank]
+        if not mine:
+            return []
+        sizes = [self.rows[i][k] * self.cols[i] for k in range(len(self.from_ranks)) for i in mine]
+        pieces = recv.split(sizes)
+        return [
+            torch.cat([pieces[k * len(mine) + j].view(self.rows[i][k], self.cols[i]) for k in range(len(self.rows[i]))])
+            for j, i in enumerate(mine)
+        ]
+
+    def scatter_back(self, orthogonal: list[torch.Tensor], group, device: torch.device) -> list[torch.Tensor]:
+        """Second all-to-all: each owner sends every rank its rows of the orthogonalised matrices; returns
+        this rank's bf16 slice of every matrix, in parameter order."""
+        mine = self.by_owner[self.rank]
+        pieces = []
+        for k in range(len(self.from_ranks)):
+            for i, f in zip(mine, orthogonal):
+                first = sum(self.rows[i][:k])
+                pieces.append(f[first : first + self.rows[i][k]].reshape(-1))
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.bfloat16, device=device)
+        recv = torch.empty(sum(self.to_owner), dtype=torch.bfloat16, device=device)
+        dist.all_to_all_single(recv, send, list(self.to_owner), list(self.from_ranks), group=group)
+        sizes = [self.rows[i][self.rank] * self.cols[i] for owned in self.by_owner for i in owned]
+        order = [i for owned in self.by_owner for i in owned]
+        out: list[torch.Tensor] = [None] * len(self.owners)  # type: ignore[list-item]
+        for i, piece in zip(order, recv.split(sizes)):
+            out[i] = piece.view(self.rows[i][self.rank], self.cols[i])
+        return out
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon that also takes FSDP2-sharded (DTensor) matrices, and batches Newton-Schulz.
 
-    Momentum is kept per shard; Newton-Schulz needs the whole matrix, so each sharded update is
-    all-gathered, orthogonalised, and each rank keeps its own slice. Every rank does the same
-    arithmetic on the same full matrix, so one step equals a single-process Muon step. Matrices of
-    one shape are orthogonalised together (orthogonalize_all) and the element-wise updates use
-    foreach kernels: a per-matrix loop was launch-bound (~160 ms a step for the 370M model).
+    Momentum is kept per shard; Newton-Schulz needs the whole matrix. Each row-sharded matrix (FSDP2's
+    Shard(0), HSDP's (Replicate, Shard(0)), shards of uneven size included) has one owner among the ranks
+    of its shard group, chosen by assign_owners() from the shapes alone (balanced by Newton-Schulz FLOPs,
+    the same on every rank, planned once and cached). A step then takes two all-to-alls per shard group:
+    every rank sends its bf16 shard of each matrix to the matrix's owner; each owner orthogonalises its
+    whole matrices (orthogonalize_all: batched per shape); every rank gets its rows of each result back.
+    Each rank so does ~1/world of the Newton-Schulz work and receives ~1/world of the matrices, where an
+    all-gather on every rank had each do all of it. HSDP replica groups each do the same.
+
+    A matrix's result does not depend on which matrices share its batch (orthogonalize_all), so a step
+    equals a single-process Muon step bit for bit (tested at 1, 2 and 4 ranks); every shard of a matrix
+    comes from its owner's one computation, so ranks and replicas cannot drift apart even where the
+    kernels round differently. Plain tensors and a shard group of one rank are orthogonalised in place;
+    other DTensor layouts are all-gathered on every rank as before. The element-wise updates use foreach
+    kernels: a per-matrix loop was launch-bound (~160 ms a step for the 370M model).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._exchanges: dict[tuple, ShardExchange] = {}
+
+    def _exchange(self, mesh, mesh_dim: int, shapes: tuple[tuple[int, int], ...], steps: int) -> ShardExchange:
+        key = (mesh, mesh_dim, shapes, steps)
+        if key not in self._exchanges:
+            self._exchanges[key] = ShardExchange.plan(shapes, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim), steps)
+        return self._exchanges[key]
+
+    def _orthogonalize(self, updates: list[torch.Tensor], steps: int, eps: float) -> list[torch.Tensor]:
+        """Each update's orthogonalised rows on this rank, as a plain tensor (the whole matrix when unsharded)."""
+        whole: list[int] = []  # orthogonalised whole here: plain, single-rank and all-gathered updates
+        gathered: set[int] = set()
+        groups: dict[tuple, list[int]] = {}  # row-sharded updates by (mesh, shard dim)
+        for i, u in enumerate(updates):
+            dim = row_sharded_dim(u) if isinstance(u, DTensor) else None
+            if not isinstance(u, DTensor) or (dim is not None and u.device_mesh.size(dim) == 1):
+                whole.append(i)  # a shard group of one rank holds the whole matrix (replicated on other dims)
+            elif dim is not None:
+                groups.setdefault((u.device_mesh, dim), []).append(i)
+            else:
+                whole.append(i)
+                gathered.add(i)
+        inputs = [full_or_local(updates[i], gather=i in gathered) for i in whole]
+        exchanges = []
+        # Every rank has the same parameters with gradients in the same order (FSDP2 reduces them all), so
+        # the ranks of a shard group build the same plan and their all-to-alls match.
+        for (mesh, dim), members in groups.items():
+            plan = self._exchange(mesh, dim, tuple(tuple(updates[i].shape) for i in members), steps)
+            owned = plan.gather_owned([updates[i].to_local() for i in members], mesh.get_group(dim))
+            exchanges.append((members, plan, mesh.get_group(dim), len(owned)))
+            inputs += owned
+        done = orthogonalize_all(inputs, steps, eps)  # one batched pass over all this rank's whole matrices
+        out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
+        for i, f in zip(whole, done):
+            if i in gathered:  # every rank holds `f`: slicing needs no communication
+                f = distribute_tensor(f, updates[i].device_mesh, updates[i].placements, src_data_rank=None).to_local()
+            out[i] = f
+        first = len(whole)
+        for members, plan, group, n_owned in exchanges:
+            device = updates[members[0]].device
+            for i, rows in zip(members, plan.scatter_back(done[first : first + n_owned], group, device)):
+                out[i] = rows
+            first += n_owned
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -85,15 +284,12 @@ class Muon(torch.optim.Muon):
                 # Formed in the gradients (zeroed after the step): DTensor has only in-place foreach lerp.
                 torch._foreach_lerp_(grads, bufs, momentum)
             updates = grads if group["nesterov"] else bufs
-            whole = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
-            orthogonal = orthogonalize_all(whole, group["ns_steps"], group["eps"])
-            for p, u, f in zip(params, updates, orthogonal):
-                if isinstance(u, DTensor):
-                    # src_data_rank=None: every rank holds `f` already, so slicing needs no communication.
-                    f = distribute_tensor(f, u.device_mesh, u.placements, src_data_rank=None)
+            orthogonal = self._orthogonalize(updates, group["ns_steps"], group["eps"])
+            for p, f in zip(params, orthogonal):
                 rows, cols = p.shape
-                p.mul_(1 - lr * wd)
-                p.add_(f.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
+                mine = p.to_local() if isinstance(p, DTensor) else p  # in place: the parameter's own shard
+                mine.mul_(1 - lr * wd)
+                mine.add_(f.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, rows / cols)))
         return None
 
 

@@ -55,6 +55,7 @@ from atma_titan.metrics import (
 )
 from atma_titan.models import ATMA, ModelArgs, build_model, parameter_breakdown, resolve_model_args
 from atma_titan.models.atma import non_embedding_params
+from atma_titan.models.loss import LossTargets
 from atma_titan.optim import LRSchedules, Optimizers, build_optimizers
 from atma_titan.parallel import (
     LaunchEnv,
@@ -402,6 +403,7 @@ def parallel_plan(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> C
         dims,
         ac_mode=cfg.activation_checkpoint.mode,
         ac_every_n=cfg.activation_checkpoint.every_n,
+        ac_save=cfg.activation_checkpoint.selective_save,
         compile=cfg.training.compile,
         compile_backend=cfg.training.compile_backend,
         param_dtype=torch.bfloat16 if bf16_shards else None,
@@ -547,10 +549,15 @@ def train_step(run: Run) -> StepStats:
         inputs, labels, *weights = (t.to(device, non_blocking=True) for t in next(run.batches))
         if dims.distributed:  # reduce-scatter gradients once, after the last micro-batch
             run.model.set_requires_gradient_sync(micro == plan.accum - 1)
+        cfg = run.cfg.training
+        fused = cfg.loss == "fused"  # the head returns the summed CE: no (tokens x vocab) logits
+        chunks = dict(chunk_mib=cfg.loss_chunk_mib, compile_backend=cfg.compile_backend if cfg.compile else None)
+        targets = LossTargets(labels, *weights, **chunks) if fused else None
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.use_autocast):
-            logits, aux = run.model(inputs, return_aux=True)
+            out, aux = run.model(inputs, return_aux=True, targets=targets)
         # sum CE / tokens of the whole global batch: micro-batches and ranks add up to the mean.
-        loss = run.faults.loss(step, run.loss_fn(logits, labels, *weights) / plan.tokens_per_step)
+        ce_sum = out if fused else run.loss_fn(out, labels, *weights)
+        loss = run.faults.loss(step, ce_sum / plan.tokens_per_step)
         share = plan.accum * plan.dp_degree
         total = loss if aux is None else loss + aux / share
         # FSDP averages gradients over ranks; the loss is already a global sum, so undo that.

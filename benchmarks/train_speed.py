@@ -3,10 +3,14 @@
     python benchmarks/train_speed.py --config train_configs/atma_370m.toml --steps 12 \
         --variants eager,compile,compile+selective,compile+full [--nproc 1] [-- extra overrides]
     python benchmarks/train_speed.py --variants compile+reference,compile+triton   # the kernels' effect
+    python benchmarks/train_speed.py --variants compile+selective --baseline softmax   # vs a transformer
 
 Each variant is a real `torchrun -m atma_titan.train` run (FSDP2 under torchrun, even on one GPU);
 tokens/s and MFU are medians over the steps after `--warmup`, and each variant is also reported as
-a ratio to the first one. Results go to benchmarks/results/train_speed-<tag>.json.
+a ratio to the first one. With `--baseline softmax` the same trainer first trains a same-size softmax
+transformer (BASELINES: softmax attention in every block, RoPE, no Canon, no memory; the same widths,
+MLP, optimizer, batch and data) under `--baseline-variant`, and every row gets its ratio to it.
+Results go to benchmarks/results/train_speed-<tag>.json.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ SWITCHES = {
 }
 
 
+# A baseline is a model the variants are compared with, trained by the same trainer in the same run.
+BASELINES = {
+    "softmax": [
+        "--model.attention", "softmax", "--model.global_layers", "all", "--model.memory", "false",
+        "--model.position", "rope", "--model.canon", "false",
+    ],
+}  # fmt: skip
+
+
 def variant_args(name: str) -> list[str]:
     unknown = [s for s in name.split("+") if s not in SWITCHES]
     if unknown:
@@ -40,7 +53,7 @@ def variant_args(name: str) -> list[str]:
     return [arg for switch in name.split("+") for arg in SWITCHES[switch]]
 
 
-def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
+def run_variant(name: str, args, extra: list[str], folder: Path, baseline: str | None = None) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -61,9 +74,11 @@ def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
         str(folder),
         *variant_args(name),
         *extra,
+        *(BASELINES[baseline] if baseline else []),
     ]
+    label = f"{baseline}:{name}" if baseline else name
     # The run's output goes to a log beside the results, so a failed or timed-out variant can be read
-    log_path = Path(args.out) / f"train_speed-{args.tag}-{name.replace('+', '_')}.log"
+    log_path = Path(args.out) / f"train_speed-{args.tag}-{label.replace('+', '_').replace(':', '-')}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with log_path.open("w") as log:
@@ -75,12 +90,12 @@ def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
     if proc is None or proc.returncode != 0:
         why = f"timed out after {args.timeout} s" if proc is None else f"exit code {proc.returncode}"
         tail = log_path.read_text()[-2000:]
-        return {"variant": name, "error": f"{why}; log {log_path}:\n{tail}", "wall_s": wall}
+        return {"variant": label, "error": f"{why}; log {log_path}:\n{tail}", "wall_s": wall}
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if r["step"] > args.warmup]
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {
-        "variant": name,
+        "variant": label,
         "tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
         "mfu": statistics.median(mfu) if mfu else None,
         "peak_memory_gib": max(r["memory_gib"] for r in rows),
@@ -89,45 +104,61 @@ def run_variant(name: str, args, extra: list[str], folder: Path) -> dict:
     }
 
 
+def print_table(results: list[dict]) -> None:
+    """One row per run, each with its ratio to the first (the baseline when there is one)."""
+    base = results[0].get("tokens_per_second")
+    width = max(20, *(len(r["variant"]) + 1 for r in results))
+    versus = "vs " + results[0]["variant"]
+    print(f"\n{'variant':<{width}} {'tokens/s':>12} {versus:>{width}} {'MFU':>7} {'peak GiB':>9}")
+    for r in results:
+        if "error" in r:
+            first, *rest = r["error"].strip().splitlines()
+            print(f"{r['variant']:<{width}} failed: {first}" + (f" ... {rest[-1]}" if rest else ""))
+            continue
+        ratio = r["tokens_per_second"] / base if base else float("nan")
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        print(
+            f"{r['variant']:<{width}} {r['tokens_per_second']:>12,.0f} {ratio:>{width - 1}.2f}x {mfu:>7} "
+            f"{r['peak_memory_gib']:>9.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/atma_370m.toml")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians (compilation)")
     parser.add_argument("--variants", default="eager,compile,compile+selective,compile+full")
+    parser.add_argument("--baseline", choices=sorted(BASELINES), help="also train this model; ratios are to it")
+    parser.add_argument("--baseline-variant", default="compile", help="the switches the baseline trains with")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args, extra = parser.parse_known_args()
-    for name in args.variants.split(","):
+    for name in [*args.variants.split(","), args.baseline_variant]:
         variant_args(name)  # fail before the first run
     extra = [x for x in extra if x != "--"]
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+    runs = [(name, None) for name in args.variants.split(",")]
+    if args.baseline:
+        runs.insert(0, (args.baseline_variant, args.baseline))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.variants.split(","):
-            result = run_variant(name, args, extra, Path(tmp) / name)
+        for i, (name, baseline) in enumerate(runs):
+            result = run_variant(name, args, extra, Path(tmp) / str(i), baseline)
             results.append(result)
             print(json.dumps(result), flush=True)
-    base = results[0].get("tokens_per_second")
-    print(f"\n{'variant':<20} {'tokens/s':>12} {'vs ' + results[0]['variant']:>14} {'MFU':>7} {'peak GiB':>9}")
-    for r in results:
-        if "error" in r:
-            first, *rest = r["error"].strip().splitlines()
-            print(f"{r['variant']:<20} failed: {first}" + (f" ... {rest[-1]}" if rest else ""))
-            continue
-        ratio = r["tokens_per_second"] / base if base else float("nan")
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        print(
-            f"{r['variant']:<20} {r['tokens_per_second']:>12,.0f} {ratio:>13.2f}x {mfu:>7} {r['peak_memory_gib']:>9.1f}"
-        )
+    print_table(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"train_speed-{args.tag}.json"
     path.write_text(
-        json.dumps({"config": args.config, "extra": extra, "nproc": args.nproc, "results": results}, indent=2)
+        json.dumps(
+            {"config": args.config, "extra": extra, "nproc": args.nproc, "baseline": args.baseline, "results": results},
+            indent=2,
+        )
     )
     print(f"\nwrote {path}")
 

@@ -1,9 +1,11 @@
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
+from distributed_utils import ROOT
 
 
 def write(tmp_path, text):
@@ -121,3 +123,14 @@ def test_every_command_help_shows_its_defaults(command, default):
     proc = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert default in " ".join(proc.stdout.split())
+
+
+def test_the_l4_recipe_differs_from_the_recipe_only_in_its_micro_batch():
+    def resolved(name: str) -> dict:
+        return dataclasses.asdict(load_config(["--config", str(ROOT / "train_configs" / name)]))
+
+    recipe, l4 = resolved("atma_370m.toml"), resolved("atma_370m_l4.toml")
+    assert l4["training"].pop("micro_batch_size") == 8 and recipe["training"].pop("micro_batch_size") == 16
+    for run in (recipe, l4):
+        del run["job"]["dump_folder"], run["job"]["description"]
+    assert l4 == recipe

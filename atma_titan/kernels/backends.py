@@ -9,8 +9,9 @@ forward, inside compiled blocks, where dynamo cannot trace os.environ or importl
 TRITON_INTERPRET only takes effect if it is set before triton is imported anyway.
 
 - `INTERPRET`: TRITON_INTERPRET=1, the Triton interpreter on the CPU (tests).
-- `AUTOTUNE`: False with ATMA_TRITON_AUTOTUNE=0, where the kernels take their first config only
-  (tests, where tuning time dominates and speed is irrelevant).
+- `AUTOTUNE`: False with ATMA_TRITON_AUTOTUNE=0, where the kernels take the first config of their list
+  whose compiled shared memory fits the device, untimed (tests, where tuning time dominates and speed
+  is irrelevant); the lists' first configs fit an L4, an A100 and an H100 / H200 alike (resources.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from atma_titan.models.attention import GlobalAttention
 from atma_titan.models.conv import GatedShortConv
 from atma_titan.models.flavors import ModelArgs
 from atma_titan.models.layers import MLP, RMSNorm
+from atma_titan.models.loss import LossTargets, linear_softcap_cross_entropy, softcap
 
 
 class Block(nn.Module):
@@ -44,15 +45,17 @@ class ATMA(nn.Module):
         self.norm = RMSNorm(args.d_model, args.norm_eps)
         self.head = SoftcapHead(args.d_model, args.vocab_size, args.logit_softcap)
 
-    def forward(self, tokens: torch.Tensor, return_aux: bool = False, cache=None):
+    def forward(self, tokens: torch.Tensor, return_aux: bool = False, cache=None, targets: LossTargets | None = None):
         """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss.
 
         cache (generation): an `atma_titan.inference` StepCache. The tokens then continue sequences
         whose earlier tokens it holds (keys and values, conv and memory states), and it is updated.
+        targets (training): return the summed next-token cross-entropy against targets.labels instead
+        of the logits, computed by the head chunk by chunk (atma_titan.models.loss).
         """
         h, aux = self.trunk(tokens, cache)
-        logits = self.head(h)
-        return (logits, aux) if return_aux else logits
+        out = self.head(h) if targets is None else self.head(h, targets)
+        return (out, aux) if return_aux else out
 
     def trunk(self, tokens: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens (B, T) -> final-normed hidden states (B, T, d) and the summed auxiliary loss.
@@ -92,21 +95,28 @@ class SoftcapHead(nn.Linear):
 
     One module (parameter names `head.weight`, `head.bias`) so it can be compiled as a unit, which
     fuses the cast and the cap instead of materialising several (tokens x vocab) fp32 tensors.
+    Given `targets` it returns the summed cross-entropy instead (atma_titan.models.loss): the same
+    value without ever holding the logits. That path goes through this forward so that FSDP2's
+    hooks (which fire on module calls) gather the head's parameters for it.
     """
 
     def __init__(self, d_model: int, vocab_size: int, cap: float):
         super().__init__(d_model, vocab_size)
         self.cap = cap
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, targets: LossTargets | None = None) -> torch.Tensor:
+        if targets is not None:
+            return linear_softcap_cross_entropy(
+                x,
+                self.weight,
+                self.bias,
+                targets.labels,
+                targets.weights,
+                cap=self.cap,
+                chunk_mib=targets.chunk_mib,
+                compile_backend=targets.compile_backend,
+            )
         return softcap(super().forward(x).float(), self.cap)
-
-
-def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """z <- c z / sqrt(z^2 + c^2): smooth, odd, bounded by c, ~identity near zero."""
-    if not cap:
-        return logits
-    return cap * logits * torch.rsqrt(logits.square() + cap * cap)
 
 
 def parameter_breakdown(model: ATMA) -> dict[str, int]:

@@ -7,43 +7,70 @@ stay outside the compiled graphs, and a graph break inside a block is an error.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import atma_titan.kernels.gated_delta.ops  # noqa: F401  (registers torch.ops.atma.* for the policy)
+import atma_titan.kernels.polar.ops  # noqa: F401
 from atma_titan.parallel.dims import ParallelDims
 
-# Selective AC keeps the outputs of the expensive ops and recomputes the cheap elementwise rest.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
+# Selective AC: a per-op policy inside each block. The outputs of the costly ops are kept; the cheap
+# elementwise rest (norms, gates, activations, residual adds) is recomputed in backward.
+_KERNEL_OPS = {  # attention and memory: the costliest ops to recompute
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten.linalg_solve_triangular.default,
+    torch.ops.aten.linalg_solve_triangular.default,  # the gated-delta reference's chunk solve
+    torch.ops.atma.polar_attention_fwd.default,
+    torch.ops.atma.gated_delta_chunk_fwd.default,
 }
+_MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def matmul_width(op, args) -> int:
+    """The output width (last dimension) of a matmul op from its inputs: mm(a, b), addmm(bias, a, b), bmm(a, b)."""
+    b = args[2] if op is torch.ops.aten.addmm.default else args[1]
+    return b.shape[-1]
 
 
-def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
+def selective_policy(max_saved_width: int | None = None):
+    """Keep the kernels' and the matmuls' outputs, but recompute the matmuls whose output is wider than
+    `max_saved_width` (when given). Returns the policy function of create_selective_checkpoint_contexts."""
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _KERNEL_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _MATMUL_OPS and (max_saved_width is None or matmul_width(op, args) <= max_saved_width):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 1) -> None:
-    """mode: none | full (every `every_n`-th block recomputed whole) | selective (op-level, every block)."""
+# What selective AC keeps besides the kernels' outputs: every matmul's output (nothing repeated), those at
+# most 4 x d_model wide (the MLP's up-projection, 8 x d_model, is recomputed: ~half the memory for ~16%
+# more matmul FLOPs at 370M), or none (every matmul recomputed). benchmarks/activation_memory.py measures them.
+SELECTIVE_SAVES = ("matmuls", "narrow_matmuls", "kernels")
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 1, save: str = "matmuls") -> None:
+    """mode: none | full (every `every_n`-th block recomputed whole) | selective (op-level, every block,
+    keeping the kernels' outputs and the `save` matmuls' outputs)."""
     if mode == "none":
         return
+    max_saved_width = {"matmuls": None, "narrow_matmuls": 4 * model.args.d_model, "kernels": 0}[save]
+    policy = selective_policy(max_saved_width)
     for i, (name, block) in enumerate(list(model.blocks.items())):
         if mode == "full" and i % every_n == 0:
             model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True)
         elif mode == "selective":
-            model.blocks[name] = checkpoint_wrapper(block, context_fn=_selective_context, preserve_rng_state=True)
+            context = functools.partial(create_selective_checkpoint_contexts, policy)
+            model.blocks[name] = checkpoint_wrapper(block, context_fn=context, preserve_rng_state=True)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
@@ -71,12 +98,13 @@ def parallelize(
     *,
     ac_mode: str = "none",
     ac_every_n: int = 1,
+    ac_save: str = "matmuls",
     compile: bool = False,
     compile_backend: str = "inductor",
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    apply_activation_checkpointing(model, ac_mode, ac_every_n)
+    apply_activation_checkpointing(model, ac_mode, ac_every_n, ac_save)
     if compile:
         apply_compile(model, compile_backend)
     if dims.distributed:

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atma_titan.kernels import resources
 from atma_titan.kernels.backends import AUTOTUNE, INTERPRET
 
 CHUNK = 64
@@ -72,12 +73,11 @@ def _prune_wide_blocks(configs, named_args, **kwargs):
 
 
 def _tune(configs: list[triton.Config], key: list[str]):
-    """Autotune on a GPU; under the interpreter (where several configs crash), or without
-    backends.AUTOTUNE (ATMA_TRITON_AUTOTUNE=0), keep the first config."""
-    return triton.autotune(
-        configs=configs if AUTOTUNE and not INTERPRET else configs[:1],
-        key=key,
-        prune_configs_by={"early_config_prune": _prune_wide_blocks},
+    """Autotune on a GPU over the configs whose BV suits Dv and whose compiled shared memory fits the device
+    (resources.autotune); without backends.AUTOTUNE (ATMA_TRITON_AUTOTUNE=0) the first of those runs,
+    untuned. Under the interpreter (where several configs crash) only the first config is kept."""
+    return resources.autotune(
+        configs[:1] if INTERPRET else configs, key, single=not AUTOTUNE, pre_prune=_prune_wide_blocks
     )
 
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atma_titan.kernels import resources
 from atma_titan.kernels.backends import AUTOTUNE, INTERPRET
 from atma_titan.kernels.polar.triton_math import log1p, sigmoid, tanh_nonneg
 
@@ -42,12 +43,14 @@ NORM_EPS = tl.constexpr(1e-6)
 
 def _configs(cuda_choices, interpret_choice):
     """Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages, SPLIT_MASK) tuples: the interpreter's one
-    choice, else the CUDA ones (only the first without backends.AUTOTUNE, i.e. ATMA_TRITON_AUTOTUNE=0).
+    choice, else the CUDA ones, in order of preference. At launch they are pruned to those whose compiled
+    shared memory fits the device (resources.autotune: an L4 has 99 KiB a block, an H200 227 KiB); without
+    backends.AUTOTUNE (ATMA_TRITON_AUTOTUNE=0) the first of those runs, untuned.
 
     SPLIT_MASK: separate loops for masked and fully visible tiles (no mask arithmetic on most tiles), or
     one masked loop (less code for the register allocator; it can spill less).
     """
-    choices = [interpret_choice] if INTERPRET else cuda_choices if AUTOTUNE else cuda_choices[:1]
+    choices = [interpret_choice] if INTERPRET else cuda_choices
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_MASK": split}, num_warps=w, num_stages=s)
         for bm, bn, w, s, split in choices
@@ -95,6 +98,7 @@ DQ_CONFIGS = _configs(
     ],
     (16, 16, 1, 1, True),
 )
+TUNING_KEY = ["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"]
 PREAMBLE_BLOCK_M = 16
 PREAMBLE_WARPS = 4
 
@@ -270,7 +274,7 @@ def _fwd_key_tiles(
     return acc, l, q2, m
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"])
+@resources.autotune(FWD_CONFIGS, key=TUNING_KEY, single=not AUTOTUNE)
 @triton.jit
 def polar_fwd_kernel(
     Q,
@@ -542,7 +546,7 @@ def _dq_key_tiles(
     return dq, da_s, p_g, p_s
 
 
-@triton.autotune(configs=DQ_CONFIGS, key=["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"])
+@resources.autotune(DQ_CONFIGS, key=TUNING_KEY, single=not AUTOTUNE)
 @triton.jit
 def polar_bwd_dq_kernel(
     Q,
@@ -705,7 +709,7 @@ def _dkdv_query_tiles(
     return dk, dv
 
 
-@triton.autotune(configs=DKDV_CONFIGS, key=["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"])
+@resources.autotune(DKDV_CONFIGS, key=TUNING_KEY, single=not AUTOTUNE)
 @triton.jit
 def polar_bwd_dkdv_kernel(
     Q,

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atma_titan.kernels import resources
 from atma_titan.kernels.backends import INTERPRET
 from atma_titan.kernels.polar.triton_math import log1p, sigmoid, softplus, tanh_nonneg
 
@@ -49,11 +50,12 @@ NORM_EPS = tl.constexpr(1e-6)
 # Configuration: tile, warps and stages; how many programs the split policy aims for
 # ----------------------------------------------------------------------------------------------
 
-# (BLOCK_N, num_warps, num_stages) in order of preference; the first whose K/V stages fit the device's
-# shared memory is taken (sm_89 has ~99 KB per block, sm_80 ~163 KB, sm_90 ~227 KB). For sm_90 (Triton 3.6)
+# (BLOCK_N, num_warps, num_stages) in order of preference; the first whose compiled shared memory fits the
+# device's opt-in limit per block runs (checked at the first launch of each shape, see _fitting_tile; sm_89
+# has 99 KiB per block, sm_80 163 KiB, sm_90 227 KiB). For sm_90 (Triton 3.6)
 # the kernel with 64-row bf16 tiles takes ~39 KB of shared memory and 108 registers (pages < tile) or 112
 # (pages >= tile), the merge's fold included; 128-row tiles and 3 stages were no faster once the split count
-# fills one wave (docs/kernels.md).
+# fills one wave (docs/kernels.md). benchmarks/kernel_resources.py compiles both for sm_80 / 89 / 90.
 CUDA_CONFIGS = [(64, 4, 2), (32, 4, 2)]
 # the interpreter: 32-row tiles, so the tests' pages of 16 are smaller than a tile and pages of 64 larger
 INTERPRET_CONFIG = (32, 1, 1)
@@ -79,30 +81,23 @@ PREFETCH_PAGES = False
 
 
 @functools.lru_cache(maxsize=None)
-def _device_limits(index: int) -> tuple[int, int]:
-    """(SM count, opt-in shared memory per block in bytes) of CUDA device `index`."""
-    props = torch.cuda.get_device_properties(index)
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
-    return props.multi_processor_count, smem
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of `device`; a nominal 8 on the CPU (the interpreter)."""
     if device.type != "cuda":
         return 8
-    return _device_limits(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tile_config(device: torch.device, head_dim: int, element_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages): the first CUDA_CONFIGS entry whose pipelined K and V tiles fit."""
+    """(BLOCK_N, num_warps, num_stages) preferred on `device`: the interpreter's, else the first of
+    CUDA_CONFIGS (the launch falls back to a later one where its compiled shared memory does not fit)."""
     if device.type != "cuda" or INTERPRET:
         return INTERPRET_CONFIG
-    smem = _device_limits(device.index if device.index is not None else torch.cuda.current_device())[1]
-    for block_n, warps, stages in CUDA_CONFIGS:
-        # K and V tiles per stage, plus room for the query tile and the layout conversions
-        if stages * 2 * block_n * head_dim * element_size + 16 * 1024 <= smem:
-            return block_n, warps, stages
-    return CUDA_CONFIGS[-1]
+    return CUDA_CONFIGS[0]
 
 
 def decode_split(
@@ -529,36 +524,76 @@ def polar_decode_forward(
     len_gain, null_base, null_slope, mag_beta = (x.contiguous() for x in (len_gain, null_base, null_slope, mag_beta))
     v_null = v_null if v_null.stride(-1) == 1 else v_null.contiguous()
 
-    block_n, num_warps, num_stages = config or tile_config(q.device, d, q.element_size())
-    splits, pages_per_split = decode_split(
-        b, hkv, block_table.shape[1], page_size, sm_count(q.device), block_n=block_n, num_splits=num_splits
-    )
-    buckets = -(-splits // MERGE_BUCKET)
-    slots = splits + (buckets if buckets > 1 else 0)
-    m, l, q2 = (q.new_empty(b, h, slots, dtype=torch.float32) for _ in range(3))
-    acc = q.new_empty(b, h, slots, d, dtype=torch.float32)
-    counters = _counters(q.device, b * hkv * (buckets + 1))
-    gp = triton.next_power_of_2(group)
-    # 64-bit offsets only where a cache holds 2^31 elements or more (a shape-only choice)
-    offs_64 = max(k_pages.numel(), v_pages.numel()) >= 2**31
-    long_merge = splits >= LONG_MERGE_SPLITS
-    tile_elems = LONG_MERGE_TILE_ELEMS if long_merge else MERGE_TILE_ELEMS
-    # a compile option of the CUDA backend (the interpreter ignores launch options it does not know)
-    register_cap = {"maxnreg": LONG_MERGE_REGISTERS} if long_merge else {}
+    def launch(tile: tuple[int, int, int]):
+        """(grid, args, kwargs) of the launch with tile config `tile` (workspaces allocated for it)."""
+        block_n, num_warps, num_stages = tile
+        splits, pages_per_split = decode_split(
+            b, hkv, block_table.shape[1], page_size, sm_count(q.device), block_n=block_n, num_splits=num_splits
+        )
+        buckets = -(-splits // MERGE_BUCKET)
+        slots = splits + (buckets if buckets > 1 else 0)
+        m, l, q2 = (q.new_empty(b, h, slots, dtype=torch.float32) for _ in range(3))
+        acc = q.new_empty(b, h, slots, d, dtype=torch.float32)
+        counters = _counters(q.device, b * hkv * (buckets + 1))
+        gp = triton.next_power_of_2(group)
+        # 64-bit offsets only where a cache holds 2^31 elements or more (a shape-only choice)
+        offs_64 = max(k_pages.numel(), v_pages.numel()) >= 2**31
+        long_merge = splits >= LONG_MERGE_SPLITS
+        tile_elems = LONG_MERGE_TILE_ELEMS if long_merge else MERGE_TILE_ELEMS
+        # a compile option of the CUDA backend (the interpreter ignores launch options it does not know)
+        register_cap = {"maxnreg": LONG_MERGE_REGISTERS} if long_merge else {}
+        args = (
+            q, k_pages, v_pages, block_table, context_lens, len_gain, null_base, null_slope, mag_beta, v_null,
+            m, l, q2, acc, counters, c, mag,
+            q.stride(0), q.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+            block_table.stride(0), c.stride(0), c.stride(1), v_null.stride(0),
+            h, hkv, splits, buckets, pages_per_split * page_size, window, 1.0 / math.sqrt(d),
+        )  # fmt: skip
+        kwargs = dict(
+            GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), GP=gp, HEAD_DIM=d, PAGE_SIZE=page_size,
+            BLOCK_N=block_n, BUCKET=MERGE_BUCKET,
+            MERGE_BLOCK_S=min(MERGE_BUCKET, max(1, tile_elems // (gp * d))),
+            OFFS_64=offs_64, PREFETCH=PREFETCH_PAGES, DOT_PRECISION=_dot_precision(q.dtype), INTERPRETED=INTERPRET,
+            num_warps=num_warps, num_stages=num_stages, **register_cap,
+        )  # fmt: skip
+        return (hkv, splits, b), args, kwargs
+
     c = q.new_empty(b, h, d)
     mag = q.new_empty(b, h)
-    polar_decode_kernel[(hkv, splits, b)](
-        q, k_pages, v_pages, block_table, context_lens, len_gain, null_base, null_slope, mag_beta, v_null,
-        m, l, q2, acc, counters, c, mag,
-        q.stride(0), q.stride(1),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
-        block_table.stride(0), c.stride(0), c.stride(1), v_null.stride(0),
-        h, hkv, splits, buckets, pages_per_split * page_size, window, 1.0 / math.sqrt(d),
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), GP=gp, HEAD_DIM=d, PAGE_SIZE=page_size,
-        BLOCK_N=block_n, BUCKET=MERGE_BUCKET,
-        MERGE_BLOCK_S=min(MERGE_BUCKET, max(1, tile_elems // (gp * d))),
-        OFFS_64=offs_64, PREFETCH=PREFETCH_PAGES, DOT_PRECISION=_dot_precision(q.dtype), INTERPRETED=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages, **register_cap,
-    )  # fmt: skip
+    if config is not None or q.device.type != "cuda" or INTERPRET:
+        grid, args, kwargs = launch(config or tile_config(q.device, d, q.element_size()))
+    else:
+        shape_key = (q.device, q.dtype, k_pages.dtype, b, h, hkv, d, page_size, block_table.shape[1], num_splits)
+        grid, args, kwargs = _fitting_tile(shape_key, launch)
+    polar_decode_kernel[grid](*args, **kwargs)
     return c, mag
+
+
+# Per launch shape (device, dtypes and shapes: what the tile choice depends on), the CUDA_CONFIGS entry that fits.
+_TILE_CHOICE: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _fitting_tile(shape_key: tuple, launch):
+    """The launch (grid, args, kwargs) of the first CUDA_CONFIGS entry whose compiled shared memory fits the
+    device, chosen once per shape: each candidate is compiled (not run) as it would launch, and the compile
+    is Triton's own for that launch, so the chosen one is not compiled again."""
+    tile = _TILE_CHOICE.get(shape_key)
+    if tile is not None:
+        return launch(tile)
+    device = shape_key[0]
+    limit = resources.device_shared_limit(device)
+    launches = {}
+
+    def shared_bytes(tile):
+        launches[tile] = launch(tile)
+        _, args, kwargs = launches[tile]
+        return resources.warmup_shared(polar_decode_kernel, args, kwargs)
+
+    try:
+        tile = resources.first_fitting(CUDA_CONFIGS, shared_bytes, limit)
+    except RuntimeError as err:
+        raise RuntimeError(f"polar_decode_kernel: {err}") from None
+    _TILE_CHOICE[shape_key] = tile
+    return launches[tile]

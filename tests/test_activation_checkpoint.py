@@ -1,0 +1,71 @@
+"""Activation checkpointing: every policy gives today's gradients, and selective AC keeps what it says.
+
+The policies' memory and repeated work are measured on fake tensors by benchmarks/activation_memory.py
+(the Triton kernels' ops, run here under TRITON_INTERPRET=1 in a subprocess: it must be set before triton
+is imported); the assertions are on its JSON.
+"""
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from atma_titan.models.builder import build_model
+from atma_titan.models.flavors import FLAVORS
+from distributed_utils import ROOT
+
+parallelize = importlib.import_module("atma_titan.parallel.parallelize")
+POLICIES = [("selective", save) for save in parallelize.SELECTIVE_SAVES] + [("full", None)]
+
+
+def gradients(mode: str, save: str | None) -> dict[str, torch.Tensor]:
+    args = dataclasses.replace(FLAVORS["debug"], attention_impl="reference", memory_impl="reference")
+    ac = {"mode": mode, **({"save": save} if save else {})}
+    model = build_model(args, torch.device("cpu"), lambda m: parallelize.apply_activation_checkpointing(m, **ac), 0)
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    model(tokens).logsumexp(-1).mean().backward()
+    return {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return gradients("none", None)
+
+
+@pytest.mark.parametrize("mode, save", POLICIES)
+def test_every_policy_gives_the_gradients_of_no_checkpointing(plain, mode, save):
+    checkpointed = gradients(mode, save)
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_selective_keeps_the_kernels_and_trades_matmuls_for_memory(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "activation_memory.py"),
+        "--config",
+        "train_configs/debug_model.toml",
+    ]
+    cmd += ["--micro-batch", "4", "--seq-len", "256", "--tag", "test", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "activation_memory-test.json").read_text())["rows"]}
+    none, full = rows["none"], rows["full"]
+    saves = [rows[f"selective, save = {s}"] for s in ("matmuls", "narrow_matmuls", "kernels")]
+    # The kernels' outputs are kept by every selective policy: their forward runs once, not again in backward.
+    assert none["kernel_forward_calls"] == 2 and full["kernel_forward_calls"] == 4
+    assert all(r["kernel_forward_calls"] == 2 for r in saves)
+    # save = matmuls repeats no matmul; the narrower saves hold less and repeat more.
+    assert saves[0]["matmul_tflop"] == none["matmul_tflop"]
+    memory = [r["peak_activation_gib"] for r in (none, *saves)]
+    work = [r["matmul_tflop"] for r in saves]
+    assert memory == sorted(memory, reverse=True) and len(set(memory)) == 4, memory
+    assert work == sorted(work) and len(set(work)) == 3, work

@@ -1,0 +1,31 @@
+"""benchmarks/train_speed.py --baseline softmax: a same-size softmax transformer through the same trainer."""
+
+import importlib.util
+
+import torch
+
+from atma_titan.config import load_config
+from atma_titan.models.atma import ATMA
+from atma_titan.models.flavors import resolve_model_args
+from distributed_utils import ROOT
+
+
+def train_speed():
+    spec = importlib.util.spec_from_file_location("train_speed", ROOT / "benchmarks" / "train_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_softmax_baseline_is_a_plain_transformer_of_the_same_size():
+    bench = train_speed()
+    config = ["--config", str(ROOT / "train_configs" / "atma_370m.toml")]
+    atma = resolve_model_args(load_config(config).model)
+    baseline = resolve_model_args(load_config(config + bench.BASELINES["softmax"]).model)
+    assert baseline.global_layers == tuple(range(atma.n_layers))
+    assert (baseline.attention, baseline.memory, baseline.canon, baseline.position) == ("softmax", False, False, "rope")
+    widths = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "mlp", "vocab_size")
+    assert all(getattr(baseline, k) == getattr(atma, k) for k in widths)
+    with torch.device("meta"):
+        sizes = [sum(p.numel() for p in ATMA(a).parameters()) for a in (atma, baseline)]
+    assert 0.9 < sizes[1] / sizes[0] < 1.1, sizes
