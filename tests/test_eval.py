@@ -46,6 +46,8 @@ from atma_titan.eval import corpus as corpus_module
 from atma_titan.eval.__main__ import main as eval_main
 from atma_titan.eval.corpus import DocumentHaystack, TokenCorpus, shard_documents, text_documents
 from atma_titan.eval.needle import ACCESS_CUE, PASSKEY_CUE
+from atma_titan.eval.plots import dodge_factors, needle_figure, needle_panels
+from atma_titan.eval.report import RESULT_UNITS, results_markdown
 from atma_titan.models import ATMA, FLAVORS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -365,7 +367,7 @@ def test_report_files_and_multi_model_plots(tmp_path):
     written = write_results(fake_results("polar+mem", 0.0), tmp_path / "one")
     assert {p.name for p in written.values()} == {"results.json", "results.md", "needle.png", "length_curve.png"}
     md = (tmp_path / "one" / "results.md").read_text()
-    assert "| variant | depth | 2K | 4K | 64K |" in md and "| access | 50% | 0.900 | 0.900 | 0.900 |" in md
+    assert "| variant | depth | 2K | 4K | 64K |" in md and "| access | 50% | 90.0 | 90.0 | 90.0 |" in md
     assert "| 64K | 2.0000 |" in md
     both = {"a": fake_results("a", 0.0), "b": fake_results("b", 0.2)}
     for plot, name in ((plot_needle, "n.png"), (plot_length_curves, "l.png")):
@@ -386,13 +388,82 @@ def test_report_with_generated_rows_and_old_rows_without_a_mode(tmp_path):
     md = (tmp_path / "results.md").read_text()
     tf = md.index("## Induction needle (teacher-forced)")
     gen = md.index("## Induction needle (generated, greedy free-running)")
-    assert tf < gen and "| access | 50% | 0.900 | 0.900 | 0.900 |" in md[tf:gen]
-    assert "| access | 50% | 0.400 | 0.400 | 0.400 |" in md[gen:]
-    assert "| passkey | 50% | 64K | 2 | 0.400 | 0.500 |\n" in md[gen:] + "\n"  # no CE cells
+    assert tf < gen and "| access | 50% | 90.0 | 90.0 | 90.0 |" in md[tf:gen]
+    assert "| access | 50% | 40.0 | 40.0 | 40.0 |" in md[gen:]
+    assert "| passkey | 50% | 64K | 2 | 50.0 | 40.0 |\n" in md[gen:] + "\n"  # no CE cells
     assert written["needle_plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     only = {"name": "g", "checkpoint": "x", "step": 1, "tokenizer": "byte", "needle": generated, "length_curve": None}
     both = {"tf": fake_results("tf", 0.0), "gen": only}
     assert plot_needle(both, tmp_path / "both.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cells(md: str, heading: str) -> list[list[str]]:
+    """The body rows of the first table after `heading` in a markdown text."""
+    lines = md[md.index(heading) :].split("\n\n")[1].splitlines()
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_tables_are_in_percent_and_name_the_training_multiple():
+    results = {**fake_results("m", 0.0), "train_seq_len": 2048}
+    results["needle"][0] = {**results["needle"][0], "digit_acc": 0.875, "exact_acc": 0.40625}  # access, 0, 2K
+    md = results_markdown(results)
+    assert "trained at seq_len 2048" in md and "Accuracies in percent" in md
+    exact = _cells(md, "exact 5/5 recall (% of trials) by gap")
+    digit = _cells(md, "per-digit accuracy (% of digits) by gap")
+    assert "| variant | depth | 2K (1x) | 4K (2x) | 64K (32x) |" in md
+    assert exact[0] == ["access", "before haystack", "40.6", "50.0", "50.0"]
+    assert digit[0] == ["access", "before haystack", "87.5", "90.0", "90.0"]
+    detail = _cells(md, "### Every condition")
+    assert "| exact 5/5 (%) | per-digit acc (%) | CE (nats) | control CE (nats) |" in md
+    assert detail[0] == ["access", "before haystack", "2K", "2", "40.6", "87.5", "0.300", "2.300"]
+    # Every accuracy cell of every table is a percent (0-100, one decimal), none a fraction like 0.900.
+    for row in exact + digit:
+        assert all(re.fullmatch(r"\d{1,3}\.\d", c) and float(c) >= 1 for c in row[2:])
+    assert all(re.fullmatch(r"\d{1,3}\.\d", c) for row in detail for c in row[4:6])
+
+
+def test_needle_plot_has_exact_and_per_digit_panels_the_training_length_and_log2_gap_labels(tmp_path):
+    a, b = fake_results("a", 0.0), fake_results("b", 0.0)  # the same numbers: lines that coincide
+    for r in (a, b):
+        r["train_seq_len"] = 4096
+        r["needle"] = [e for e in r["needle"] if e["variant"] == "access"]
+    panels = needle_panels({"a": a, "b": b})
+    assert [p.ylabel for p in panels] == ["exact recall (% of trials)", "per-digit accuracy (% of digits)"]
+    assert [s.label for s in panels[0].series] == ["a depth before haystack", "a depth 50%", "b depth before haystack",
+                                                   "b depth 50%"]  # fmt: skip
+    assert all(s.x == [2048, 4096, 65536] and s.y == [50.0] * 3 for s in panels[0].series)  # exact, in %
+    assert all(s.y == pytest.approx([90.0] * 3) for s in panels[1].series)  # per digit, in %
+
+    fig = needle_figure({"a": a, "b": b})
+    axes = fig.get_axes()
+    assert [ax.get_title() for ax in axes] == ["exact recall: the whole value right", "per-digit accuracy"]
+    for ax, panel in zip(axes, panels):
+        assert ax.get_xscale() == "log" and ax.get_ylim() == (-3, 103)
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["2K", "4K", "64K"]
+        lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+        assert [line.get_label() for line in lines] == [s.label for s in panel.series]
+        assert list(lines[0].get_ydata()) == panel.series[0].y and all(line.get_marker() != "None" for line in lines)
+        # Coinciding series are dodged apart on x (same y), each by less than a quarter octave.
+        xs = [tuple(line.get_xdata()) for line in lines]
+        assert len(set(xs)) == len(xs)
+        assert all(abs(math.log2(x / g)) < 0.25 for row in xs for x, g in zip(row, [2048, 4096, 65536]))
+        marks = [line for line in ax.get_lines() if list(line.get_xdata()) == [4096, 4096]]
+        assert len(marks) == 1 and marks[0].get_linestyle() == ":"
+        assert [t.get_text() for t in ax.texts] == ["trained at 4K"]
+    assert fig.legends and [t.get_text() for t in fig.legends[0].get_texts()] == [s.label for s in panels[0].series]
+    # No training length known (an older results.json), or one given by the caller.
+    del a["train_seq_len"], b["train_seq_len"]
+    assert not needle_figure({"a": a}).get_axes()[0].texts
+    assert [t.get_text() for t in needle_figure({"a": a}, train_len=128).get_axes()[0].texts] == ["trained at 128"]
+    assert plot_needle({"a": a, "b": b}, tmp_path / "n.png", train_len=2048).stat().st_size > 0
+
+
+def test_dodge_is_centred_and_its_spread_capped():
+    assert dodge_factors(1) == [1.0]
+    three = dodge_factors(3)
+    assert three[1] == 1.0 and three[0] * three[2] == pytest.approx(1.0) and three[0] < 1 < three[2]
+    many = dodge_factors(40)
+    assert math.log2(many[-1] / many[0]) == pytest.approx(0.45) and len(set(many)) == 40
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,7 +498,9 @@ def run_eval(*args: str) -> subprocess.CompletedProcess:
 
 
 def check_schema(results: dict, gaps, depths, variants, lengths, mode="teacher_forced") -> None:
-    assert set(results) == {"name", "checkpoint", "step", "tokenizer", "needle", "length_curve"}
+    keys = {"name", "checkpoint", "step", "tokenizer", "train_seq_len", "units", "needle", "length_curve"}
+    assert set(results) == keys
+    assert results["units"] == RESULT_UNITS and results["train_seq_len"] == 32  # EVAL_TRAIN's training.seq_len
     assert isinstance(results["name"], str) and isinstance(results["checkpoint"], str)
     assert results["tokenizer"] == "byte"
     keys = {"variant", "gap", "depth", "trials", "digit_acc", "exact_acc", "ce", "control_ce", "mode"}
@@ -504,13 +577,13 @@ def test_command_generate_on_the_text_needle(run_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "needle (generated, greedy free-running): 1 variant(s)" in proc.stdout
     assert re.search(
-        r"needle access  gap   128 depth 0\.50 generated: digit acc [0-9.]+, exact [0-9.]+ \(", proc.stdout
+        r"needle access  gap   128 depth 0\.50 generated: digit acc [0-9.]+%, exact [0-9.]+% \(", proc.stdout
     )
     results = json.loads((out / "results.json").read_text())
     check_schema(results, [64, 128], [0.0, 0.5], ["access"], None, mode="generated")
     md = (out / "results.md").read_text()
     assert "## Induction needle (generated, greedy free-running)" in md and "teacher-forced" not in md
-    assert "| variant | depth | gap | trials | digit acc | exact 5/5 |\n" in md  # no CE columns
+    assert "| variant | depth | gap | trials | exact 5/5 (%) | per-digit acc (%) |\n" in md  # no CE columns
     assert (out / "needle.png").stat().st_size > 0
 
 

@@ -88,7 +88,7 @@ def test_generated_needle_scores_a_fed_token_stream(monkeypatch):
     assert asked["new_tokens"] == 10 and asked["max_batch"] == 1000 // (len(trials[0].tokens))
     assert r.mode == GENERATED and (r.ce, r.control_ce) == (None, None)
     assert r.digit_acc == pytest.approx((5 + 4 + 5 + 0) / 20) and r.exact_acc == 0.25
-    assert r.line().endswith(f"generated: digit acc {r.digit_acc:.3f}, exact 0.250")
+    assert r.line().endswith(f"generated: digit acc {100 * r.digit_acc:.1f}%, exact 25.0%")
     assert r.as_dict()["mode"] == "generated"
 
 
@@ -108,7 +108,7 @@ def test_perfect_induction_writes_every_value_and_a_blank_model_none(monkeypatch
         (0.0, 1.0, 1.0, GENERATED),
         (0.5, 1.0, 1.0, GENERATED),
     ]
-    assert len(lines) == 2 and all("generated: digit acc 1.000, exact 1.000" in line for line in lines)
+    assert len(lines) == 2 and all("generated: digit acc 100.0%, exact 100.0%" in line for line in lines)
     # No guesses: zero logits, token 0 every time; nothing right.
     blank = evaluate_needle(engine_ready(HandModel(tok.vocab_size)), tok, FillerHaystack(tok), gap=48, trials=2,
                             generate=True)  # fmt: skip

@@ -212,13 +212,28 @@ def test_command_streams_one_prompt(run_dir, capsys):
     assert out.endswith("\n") and len(out) > 1
 
 
+def untied_copy(run_dir: Path, folder: Path) -> Path:
+    """The run's exported weights with the head's bias jittered. Tokens the 2-step model never saw keep
+    exactly equal logits (the zero-initialised head updates them alike), and greedy decoding may break
+    such a tie one way with the cache and the other way without it."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    (folder / "config.toml").write_text((run_dir / "config.toml").read_text())
+    weights = load_file(run_dir / "model.safetensors")
+    weights["head.bias"] += 1e-3 * torch.randn(weights["head.bias"].shape, generator=torch.Generator().manual_seed(0))
+    save_file(weights, folder / "model.safetensors")
+    return folder / "model.safetensors"
+
+
 def test_command_writes_one_line_per_prompt_and_no_cache_agrees(run_dir, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Hello"}\n"abc"\n\n{"prompt": "a longer prompt than the others"}\n')
+    weights = untied_copy(run_dir, tmp_path / "run")
     rows = {}
     for flags in ([], ["--no-cache"]):
         out = tmp_path / f"out{len(flags)}.jsonl"
-        argv = ["--checkpoint", str(run_dir / "model.safetensors"), "--prompts", str(prompts), "--out", str(out)]
+        argv = ["--checkpoint", str(weights), "--prompts", str(prompts), "--out", str(out)]
         assert main([*argv, "--max-new-tokens", "6", "--temperature", "0", "--batch-size", "2", *flags]) == 0
         lines = [json.loads(line) for line in out.read_text().splitlines()]
         rows[len(flags)] = {r["index"]: r for r in lines}

@@ -408,20 +408,25 @@ def test_collect_writes_table_csv_and_plots(tmp_path, fake, capsys):
     )
     assert sweep.main(["collect", "--out", str(out)]) == 0
     md = (out / "results.md").read_text()
-    header = (
-        "| # | attention | memory | status | train loss | access acc@32 | access acc@2K | passkey acc@32 "
-        "| passkey acc@2K | NLL@32 | NLL@2K |"
-    )
-    assert header in md
-    # Per-digit accuracy averaged over depths (weighted by trials), in percent.
-    assert "| 0 | polar | true | done | 5.7730 | 75.0 | 50.0 | 75.0 | 50.0 | 2.500 | 2.250 |" in md
-    assert "| 1 | polar | false | done | 5.7720 | 75.0 | 50.0 | - | - | 2.500 | 2.250 |" in md
-    assert "| 3 | softmax | false | failed | - | - | - | - | - | - | - |" in md
+    # A summary table, then one table per (metric, variant, depth, mode) with a column per gap.
+    assert "4 cells: 3 done, 1 failed. Needle trials per gap and depth: 2." in md
+    assert "| # | attention | memory | status | train loss |" in md
+    assert "| 0 | polar | true | done | 5.7730 |" in md and "| 3 | softmax | false | failed | - |" in md
+    digit = md.split("### Per-digit accuracy (%): access, depth 90%, teacher-forced")[1].split("###")[0]
+    assert "| # | attention | memory | 32 | 2K |" in digit
+    assert "| 1 | polar | false | 50.0 | 75.0 |" in digit and "| 3 | softmax | false | - | - |" in digit
+    passkey = md.split("### Exact 5/5 recall (%): passkey, depth 10%, teacher-forced")[1].split("###")[0]
+    assert "| 0 | polar | true | 0.0 | 0.0 |" in passkey and "| 1 | polar | false | - | - |" in passkey
+    nll = md.split("### Length curve: mean NLL per token (nats)")[1]
+    assert "| 0 | polar | true | 2.500 | 2.250 |" in nll
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["name"] for r in rows] == NAMES_2X2
     assert rows[0]["model.attention"] == "polar" and rows[0]["final_step"] == "2"
-    assert float(rows[1]["digit_acc_access@2048"]) == 0.5 and rows[1]["digit_acc_passkey@2048"] == ""
+    # Percent, as in results.md; one column per depth (two here).
+    assert float(rows[1]["digit_pct_access@2048_depth0.1"]) == 25.0 and rows[1]["digit_pct_passkey@2048_depth0.1"] == ""
+    assert float(rows[0]["exact_pct_passkey@32_depth0.9"]) == 0.0
     assert float(rows[2]["nll@32"]) == 2.5 and rows[3]["status"] == "failed"
+    assert not (out / "results_per_seed.csv").exists()  # no --seeds: results.csv is the per-run table
     for png in ("needle.png", "length_curve.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -459,7 +464,7 @@ def test_collect_without_matplotlib_still_writes_the_table(tmp_path, fake, monke
     assert sweep.main(["collect", "--out", str(out)]) == 0
     stdout = capsys.readouterr().out
     assert stdout.count("warning: no plots: the evaluation plots needs the matplotlib package") == 2
-    assert "| 0 | polar | true | done | 5.7730 | 75.0 | 50.0 | 2.500 | 2.250 |" in (out / "results.md").read_text()
+    assert "| 0 | polar | true | done | 5.7730 |" in (out / "results.md").read_text()
     assert len(list(csv.DictReader((out / "results.csv").open()))) == 4
     assert not list(out.glob("*.png")) and "![" not in (out / "results.md").read_text()
 
@@ -486,7 +491,7 @@ def test_the_plan_stores_absolute_paths_and_cells_run_in_its_workdir(tmp_path, f
     out = tmp_path / "sweep"
     assert run_2x2(out) == 0
     plan = json.loads((out / "sweep.json").read_text())
-    assert plan["version"] == 2
+    assert plan["version"] == 3 and plan["seeds"] is None and "seed" not in plan["cells"][0]
     assert plan["base"] == str(ROOT / BASE) and plan["workdir"] == str(ROOT)
 
     seen = []
@@ -706,7 +711,10 @@ def test_2x2_sweep_of_the_debug_model_end_to_end(tmp_path):
         assert f"[{i + 1}/4] {name}: training ...\n" in proc.stdout
         assert f"[{i + 1}/4] {name}: evaluating ...\n" in proc.stdout
     md = (out / "results.md").read_text()
-    assert "| # | attention | memory | status | train loss | acc@32 | acc@64 | NLL@32 | NLL@64 |" in md
+    assert "| # | attention | memory | status | train loss |" in md and "| # | attention | memory | 32 | 64 |" in md
+    for title in ("Exact 5/5 recall (%)", "Per-digit accuracy (%)"):
+        assert f"### {title}: access, depth 0 (before the haystack), teacher-forced" in md
+    assert "### Length curve: mean NLL per token (nats)" in md
     assert md.count("| done |") == 4
     assert len(list(csv.DictReader((out / "results.csv").open()))) == 4
     assert (out / "needle.png").stat().st_size > 0 and (out / "length_curve.png").stat().st_size > 0

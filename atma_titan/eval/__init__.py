@@ -11,7 +11,8 @@ with `--generate`) and the length curve.
   per document at the longest length, the head applied in chunks;
 * `corpus`: the passkey filler and long documents from the run's data (text, HF, .bin, synthetic);
 * `loading`: checkpoint path -> weights + run config (+ tokenizer) -> model on one device;
-* `report`: results.json / results.md / plots, and multi-model plots for sweeps (torch-free);
+* `report`: results.json / results.md (percent tables) and the plots (torch-free);
+* `plots`: the needle and length-curve figures, one model or a sweep's many (torch-free);
 * `common`: the bad-input error and size parsing (torch-free); `inference`: the eval-mode context.
 
 The names below import lazily, on first use: `import atma_titan.eval.report` loads no torch.
@@ -38,6 +39,7 @@ _EXPORTS = {
         "sample_needle",
         "score_batch",
     ],
+    "plots": ["needle_figure", "needle_panels", "length_figure", "length_series"],
     "report": ["plot_length_curves", "plot_needle", "write_results"],
 }
 

@@ -18,8 +18,9 @@ the generation engine's KV cache (atma_titan.inference); the tokens it writes ar
 value (digit acc: each digit in its place; exact: the whole value, the byte tokenizer's spaces
 included). No CE and no control then; the needle rows of results.json say "mode": "generated"
 (teacher-forced ones "teacher_forced"). With --records the same holds for the synthetic record's value
-after its `MARK key`. On CUDA the Linear weights are then stored in bf16 for the engine (what autocast
-computes anyway).
+after its `MARK key`, and `--depths` places the synthetic record inside the haystack as it does the text
+needle (one row per gap and depth). On CUDA the Linear weights are then stored in bf16 for the engine
+(what autocast computes anyway).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from atma_titan.eval.length import length_curve, length_sequences
 from atma_titan.eval.loading import ResolvedCheckpoint, load_eval_model, open_checkpoint
 from atma_titan.eval.needle import NEEDLE_SLACK, digit_tokens, run_needle
 from atma_titan.eval.records import run_records
-from atma_titan.eval.report import write_results
+from atma_titan.eval.report import RESULT_UNITS, write_results
 from atma_titan.known_warnings import silence_known_warnings
 from atma_titan.models import ModelArgs
 
@@ -64,7 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="output folder (default: <run>/eval)")
     p.add_argument("--name", help="label of this model in results and plots (default: the run folder's name)")
     p.add_argument("--gaps", default=DEFAULT_GAPS, help="needle gaps in tokens, e.g. 2048,4096 or 2K,4K")
-    p.add_argument("--depths", default="0", help="needle depths: 0 = before the haystack, 0.1/0.5/0.9 = inside it")
+    p.add_argument(
+        "--depths",
+        default="0",
+        help="needle depths, the fraction of the gap's haystack before the needle: 0 = before the haystack, "
+        "0.1/0.5/0.9 = inside it (the text needle and --records)",
+    )
     p.add_argument("--trials", type=int, default=20, help="trials per gap and depth")
     p.add_argument("--seed", type=int, default=0, help="seed of the record numbers and values")
     p.add_argument("--passkey", action="store_true", help="also run the passkey variant (cue ' The pass key is')")
@@ -204,10 +210,14 @@ def needle_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
         source = SyntheticSource(
             inputs.model_args.vocab_size, eot_id=inputs.tokenizer.eot_id, seed=inputs.cfg.data.seed
         )
-        print(f"needle ({how}): synthetic records, gaps {gaps_text}, {args.trials} trials each", flush=True)
+        print(
+            f"needle ({how}): synthetic records, {len(request.depths)} depth(s) x gaps {gaps_text}, "
+            f"{args.trials} trials each",
+            flush=True,
+        )
         results = run_records(
-            model, source, gaps=request.gaps, trials=args.trials, seed=args.seed, batch_tokens=args.batch_tokens,
-            progress=_progress, generate=args.generate,
+            model, source, gaps=request.gaps, depths=request.depths, trials=args.trials, seed=args.seed,
+            batch_tokens=args.batch_tokens, progress=_progress, generate=args.generate,
         )  # fmt: skip
         return [r.as_dict() for r in results]
     if args.haystack == "filler":
@@ -268,6 +278,8 @@ def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
         "checkpoint": os.path.abspath(resolved.path),
         "step": resolved.step,
         "tokenizer": inputs.tokenizer.name,
+        "train_seq_len": int(inputs.cfg.training.seq_len),  # marked on the plots
+        "units": dict(RESULT_UNITS),
         "needle": needle_section(args, request, inputs, model),
         "length_curve": length_section(args, request, inputs, model),
     }

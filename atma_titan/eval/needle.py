@@ -390,7 +390,7 @@ class NeedleResult:
 
     def line(self) -> str:
         head = f"needle {self.variant:<7} gap {size_label(self.gap):>5} depth {self.depth:.2f}"
-        acc = f"digit acc {self.digit_acc:.3f}, exact {self.exact_acc:.3f}"
+        acc = f"digit acc {100 * self.digit_acc:.1f}%, exact {100 * self.exact_acc:.1f}%"  # percent, as the tables
         if self.mode == GENERATED:
             return f"{head} generated: {acc}"
         control = "" if self.control_ce is None else f", control CE {self.control_ce:.3f}"

@@ -3,6 +3,8 @@
     python -m atma_titan.sweep [run] --base train_configs/atma_370m.toml --out sweeps/ablation \\
         --factor model.attention=polar,softmax --factor model.memory=[true,false] \\
         --set training.steps=1900 --eval-args "--gaps 2048,4096,8192 --trials 32 --length-curve"
+    python -m atma_titan.sweep ... --seeds 0,1,2                     # every cell once per job.seed
+    python -m atma_titan.sweep plan --base ... --factor ... [--seeds 0,1,2]   # estimated GPU-hours, runs nothing
     python -m atma_titan.sweep run --out sweeps/ablation            # resume the saved plan (sweep.json)
     python -m atma_titan.sweep run --out sweeps/ablation --cell 3   # one cell (a SLURM array task runs this)
     python -m atma_titan.sweep list --out sweeps/ablation           # cells: index, status, name, loss
@@ -12,7 +14,10 @@
 The cells are the Cartesian product of the `--factor section.key=v1,v2,...` values (the first factor
 varies slowest), each named from its values (`attention-polar_memory-true`) with its own folder
 `<out>/cells/<name>/`: `run/` (the trainer's dump folder, laid out as atma_titan.run_folder says),
-`eval/` (the eval command's output), `train.log`, `eval.log`, and `FAILED` after a failure. Every
+`eval/` (the eval command's output), `train.log`, `eval.log`, and `FAILED` after a failure. With
+`--seeds 0,1,2` every cell is three runs differing only in `job.seed`, each with its own folder
+`<cell>_seed-<S>` (the seed varies fastest; `--cell N` and the SLURM array index the runs), and
+`collect` reports each cell's mean and range (min-max, with n) over its seeds. Every
 cell's config is checked with the project's own loader before anything runs (a bad key or value:
 the loader's message, exit 2).
 
@@ -38,19 +43,26 @@ failure and exits 128 + the signal number. The comparison plots are atma_titan.e
 without matplotlib `collect` warns and writes the table only. `list` and `collect` on a saved plan
 do not import torch.
 
-Modules, one per verb: `plan` (factors, cells, sweep.json), `cells` (a cell's folder and status),
-`local` (running cells here: the commands, stages, stop signals), `slurm` (the job array),
-`collect` (list, results table, plots), `cli` (arguments, resolving the plan, main).
+The sweep's evaluation passes `--trials 256` to the eval command before `--eval-args` (which can
+set another). `plan` prints the estimated GPU-hours of training per cell and in total per GPU kind
+(atma_titan.sweep.budget: measured H200 tokens/s, scaled by FLOPs per token and peak FLOP/s).
+
+Modules, one per verb: `plan` (factors, cells, seeds, sweep.json), `cells` (a cell's folder and
+status), `local` (running cells here: the commands, stages, stop signals), `slurm` (the job array),
+`measures` (the numbers of one results.json), `seeds` (mean and spread over a cell's seeds),
+`collect` (list, results tables, plots), `budget` (the GPU-hour estimate), `cli` (arguments,
+resolving the plan, main).
 
 Exit status: 0 all requested cells finished, 1 some cell failed, 2 a bad plan or option.
 """
 
+from atma_titan.sweep.budget import BUILTIN_THROUGHPUT, ThroughputTable, estimate, parse_throughput
 from atma_titan.sweep.cells import CellFolder
 from atma_titan.sweep.cli import build_parser, main, parse_args, resolve_plan
 from atma_titan.sweep.collect import collect, list_cells, needle_accuracy, plot_comparisons, results_table
 
 # Re-exported for callers; to replace spawn / train_command in a test, patch atma_titan.sweep.local.
-from atma_titan.sweep.local import eval_command, run_sweep, spawn, train_command
+from atma_titan.sweep.local import EVAL_TRIALS, eval_command, run_sweep, spawn, train_command
 from atma_titan.sweep.plan import (
     PLAN_FILE,
     Cell,
@@ -60,29 +72,39 @@ from atma_titan.sweep.plan import (
     build_plan,
     parse_factor,
     parse_plan_options,
+    parse_seeds,
     read_plan,
     split_values,
 )
+from atma_titan.sweep.seeds import Spread, mean_results
 from atma_titan.sweep.slurm import SBATCH_SCRIPT, sbatch_command
 
 __all__ = [
+    "BUILTIN_THROUGHPUT",
+    "EVAL_TRIALS",
     "PLAN_FILE",
     "SBATCH_SCRIPT",
     "Cell",
     "CellFolder",
     "Factor",
     "Plan",
+    "Spread",
     "SweepError",
+    "ThroughputTable",
     "build_parser",
     "build_plan",
     "collect",
+    "estimate",
     "eval_command",
     "list_cells",
     "main",
+    "mean_results",
     "needle_accuracy",
     "parse_args",
     "parse_factor",
     "parse_plan_options",
+    "parse_seeds",
+    "parse_throughput",
     "plot_comparisons",
     "read_plan",
     "resolve_plan",

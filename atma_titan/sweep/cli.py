@@ -1,4 +1,4 @@
-"""The command line: `python -m atma_titan.sweep {run,list,collect,slurm} ...` (run is the default)."""
+"""The command line: `python -m atma_titan.sweep {run,list,collect,slurm,plan} ...` (run is the default)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from atma_titan.errors import InputError
+from atma_titan.sweep.budget import budget_report, estimate, plan_cells, read_throughput
 from atma_titan.sweep.collect import collect, list_cells
 from atma_titan.sweep.local import run_sweep
 from atma_titan.sweep.plan import (
@@ -26,6 +27,7 @@ COMMANDS = {
     "list": "print the cells with index, name, loss and status (done/trained/pending/failed)",
     "collect": "write results.md, results.csv, needle.png and length_curve.png from the finished cells",
     "slurm": "submit the cells as a SLURM job array (launch/sweep_array.sbatch)",
+    "plan": "print the estimated GPU-hours of training per cell and in total on H100 / H200 / L4 (runs nothing)",
 }
 # Options whose values are command lines themselves ("--gaps 2048", "--time=1:00:00"): argparse
 # would take a value that starts with '-' for an option, so they are joined as --opt=value first.
@@ -47,7 +49,16 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a fixed override for every cell"
     )
-    p.add_argument("--eval-args", help='extra arguments of the eval command, e.g. "--gaps 2048,4096 --trials 8"')
+    p.add_argument(
+        "--seeds",
+        metavar="S1,S2",
+        help="train every cell once per job.seed, e.g. 0,1,2 (runs <cell>_seed-<S>; collect gives mean and range)",
+    )
+    p.add_argument(
+        "--eval-args",
+        help='extra arguments of the eval command, e.g. "--gaps 2048,4096 --records" (the sweep passes --trials 256 '
+        "first; a --trials here replaces it)",
+    )
     p.add_argument(
         "--skip-invalid",
         action="store_true",
@@ -68,6 +79,13 @@ def add_command_options(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--max-parallel", type=int, default=0, help="at most N array tasks at once (0: no limit)")
         p.add_argument("--sbatch-args", help='extra sbatch options, e.g. "--time=04:00:00 -p gpu"')
         p.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
+    if name == "plan":
+        p.add_argument(
+            "--throughput",
+            metavar="FILE.json",
+            help="tokens/s per GPU kind to estimate from (default: the built-in table, measured on the H200; "
+            "its shape: atma_titan/sweep/budget.py)",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,9 +123,10 @@ def resolve_plan(args: argparse.Namespace, *, write: bool) -> Plan:
     """The plan from the command line (checked against sweep.json), else the one in sweep.json."""
     out = Path(args.out)
     if args.base is None:
-        if args.factor or args.set or args.eval_args is not None or args.skip_invalid:
+        if args.factor or args.set or args.eval_args is not None or args.skip_invalid or args.seeds is not None:
             raise SweepError(
-                "--factor, --set, --eval-args and --skip-invalid need --base (or give only --out to use sweep.json)."
+                "--factor, --set, --seeds, --eval-args and --skip-invalid need --base (or give only --out to use "
+                "sweep.json)."
             )
         saved = read_plan(out)
         if saved is None:
@@ -116,7 +135,9 @@ def resolve_plan(args: argparse.Namespace, *, write: bool) -> Plan:
             return saved  # list / collect: read-only, and no torch import
         plan = build_plan(saved)  # re-validated, and the base file checked for changes below
     else:
-        options = parse_plan_options(args.base, args.factor, args.set, args.eval_args or "", args.skip_invalid)
+        options = parse_plan_options(
+            args.base, args.factor, args.set, args.eval_args or "", args.skip_invalid, args.seeds
+        )
         plan = build_plan(options)
     return save_plan(out, plan, args.force_plan) if write else check_plan(out, plan, args.force_plan)
 
@@ -135,7 +156,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def list_command(args: argparse.Namespace) -> int:
     plan = resolve_plan(args, write=False)
-    print(f"sweep {args.out}: {len(plan.cells)} cells, base {plan.base}")
+    print(f"sweep {args.out}: {plan.describe_runs()}, base {plan.base}")
     print(list_cells(plan, Path(args.out)))
     for skipped in plan.skipped:
         print(f"left out (--skip-invalid): {skipped['name']}: {skipped['reason']}")
@@ -151,7 +172,21 @@ def slurm_command(args: argparse.Namespace) -> int:
     return submit(args, resolve_plan(args, write=not args.dry_run))  # a dry run writes nothing
 
 
-RUNNERS = {"run": run_command, "list": list_command, "collect": collect_command, "slurm": slurm_command}
+def plan_command(args: argparse.Namespace) -> int:
+    """The GPU-hour estimate; writes nothing (a saved plan is only read, a new one only checked)."""
+    plan = resolve_plan(args, write=False)
+    table = read_throughput(args.throughput)
+    print(budget_report(plan, args.out, estimate(plan_cells(plan), table), table))
+    return 0
+
+
+RUNNERS = {
+    "run": run_command,
+    "list": list_command,
+    "collect": collect_command,
+    "slurm": slurm_command,
+    "plan": plan_command,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,10 @@ from atma_titan.sweep.collect import collect
 from atma_titan.sweep.plan import Cell, Plan, SweepError, config_argv
 
 LOG_TAIL_LINES = 40
+# Needle / records trials per gap and depth unless --eval-args sets --trials: at 256 the binomial
+# standard error of a recall is at most 3.1 points (at 20, the eval's own default, 11), so that a
+# cell's number does not move by tens of points with the evaluation seed.
+EVAL_TRIALS = 256
 
 
 class SweepStop:
@@ -70,7 +74,7 @@ def absolute(path: Path) -> str:
 
 def train_command(plan: Plan, cell: Cell, out: Path, launcher: str | None) -> list[str]:
     prefix = shlex.split(launcher) if launcher else [sys.executable]
-    overrides = plan.fixed + list(cell.overrides)
+    overrides = plan.fixed + list(cell.config_overrides)  # with --seeds: the run's job.seed last
     argv = [*prefix, "-m", "atma_titan.train", *config_argv(plan.base, overrides)]
     argv += ["--job.dump_folder", absolute(CellFolder.of(out, cell).run_dir), "--checkpoint.enable", "true"]
     return Command(argv, cwd=plan.workdir)
@@ -78,9 +82,11 @@ def train_command(plan: Plan, cell: Cell, out: Path, launcher: str | None) -> li
 
 def eval_command(plan: Plan, cell: Cell, out: Path) -> list[str]:
     folder = CellFolder.of(out, cell)
-    # The sweep's own arguments first, so that --eval-args can add to them.
+    # The sweep's own arguments first, so that --eval-args can add to them (and override --trials:
+    # the last occurrence of an option wins).
     argv = [sys.executable, "-m", "atma_titan.eval", "--checkpoint", absolute(folder.run_dir)]
-    argv += ["--out", absolute(folder.eval_dir), "--name", cell.name, *shlex.split(plan.eval_args)]
+    argv += ["--out", absolute(folder.eval_dir), "--name", cell.name, "--trials", str(EVAL_TRIALS)]
+    argv += shlex.split(plan.eval_args)
     return Command(argv, cwd=plan.workdir)
 
 

@@ -1,17 +1,22 @@
 """The plan of a sweep: factors -> cells, each cell's config checked by the project's loader, and
 its record <out>/sweep.json (read, compared with a new plan, written).
 
-sweep.json (version 2)::
+sweep.json (version 3)::
 
-    {"version": 2, "base": "/abs/path/base.toml", "base_sha256": "...",
+    {"version": 3, "base": "/abs/path/base.toml", "base_sha256": "...",
      "factors": [{"key": "model.attention", "values": ["polar", "softmax"]}, ...],
      "fixed": ["training.steps=1900", ...], "eval_args": "...", "skip_invalid": false,
+     "seeds": [0, 1, 2] | null,
      "workdir": "/abs/dir/the/plan/was/made/in",
-     "cells": [{"index": 0, "name": "attention-polar", "overrides": {"model.attention": "polar"}}, ...],
+     "cells": [{"index": 0, "name": "attention-polar_seed-0", "overrides": {"model.attention": "polar"},
+                "group": "attention-polar", "seed": 0}, ...],
      "skipped": [{"name": ..., "reason": ...}]}
 
-Version 1 (no "workdir", "base" as the user typed it) still loads: the base relative to the
-current directory, which is also the workdir.
+"cells" are the runs, one folder each. With "seeds" every factor combination (its name is the
+run's "group") is one run per seed, differing only in job.seed, named `<group>_seed-<seed>`; the
+seed varies fastest. Without seeds ("seeds": null) a run is its combination, with no "group" or
+"seed" key, as in version 2. Version 2 (no "seeds") and version 1 (no "workdir", "base" as the
+user typed it: relative to the current directory, which is also the workdir) still load.
 
 Torch-free until a plan is built: `validate_cell` imports the config loader only then.
 """
@@ -32,12 +37,13 @@ from atma_titan.errors import InputError
 from atma_titan.atomic import write_json_atomic
 
 PLAN_FILE = "sweep.json"
-PLAN_VERSION = 2  # 2: absolute base, and the workdir the cells' commands run in
+PLAN_VERSION = 3  # 2: absolute base, and the workdir the cells' commands run in; 3: seeds
 # Keys the sweep sets itself for every cell: a factor or --set on them would be silently overridden.
 RESERVED_KEYS = {
     "job.dump_folder": "each cell trains into <out>/cells/<name>/run",
     "checkpoint.enable": "checkpointing is always on in a sweep, so that a stopped cell resumes",
 }
+SEED_KEY = "job.seed"  # what --seeds varies: the model's initialisation and the data order
 
 
 class SweepError(InputError):
@@ -64,9 +70,33 @@ class Factor:
 
 @dataclass(frozen=True)
 class Cell:
+    """One run of the sweep (one folder): a factor combination, and with --seeds one of its seeds."""
+
     index: int
     name: str
     overrides: tuple[tuple[str, str], ...]  # (section.key, value) for each factor, in factor order
+    seed: int | None = None  # job.seed of this run (None: the base config's; a plan without --seeds)
+    group: str | None = None  # the factor combination's name, shared by its seeds (None: the run's own)
+
+    @property
+    def group_name(self) -> str:
+        return self.group or self.name
+
+    @property
+    def config_overrides(self) -> tuple[tuple[str, str], ...]:
+        """What the trainer gets on top of the plan's fixed overrides: the factors, then the seed."""
+        return self.overrides if self.seed is None else (*self.overrides, (SEED_KEY, str(self.seed)))
+
+    def to_json(self) -> dict:
+        data = {"index": self.index, "name": self.name, "overrides": dict(self.overrides)}
+        if self.seed is not None:
+            data.update(group=self.group_name, seed=self.seed)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Cell:
+        seed = data.get("seed")
+        return cls(data["index"], data["name"], tuple(data["overrides"].items()), seed, data.get("group"))
 
 
 @dataclass
@@ -82,6 +112,22 @@ class Plan:
     # Absolute; the cells' commands run here, so relative paths inside the base TOML (data files)
     # resolve as they did when the sweep was planned, whatever directory a later command runs in.
     workdir: str = field(default_factory=os.getcwd)
+    seeds: tuple[int, ...] | None = None  # --seeds: every combination once per seed (None: once, as configured)
+
+    @property
+    def groups(self) -> dict[str, list[Cell]]:
+        """Factor combination's name -> its runs (one per seed), in plan order."""
+        out: dict[str, list[Cell]] = {}
+        for cell in self.cells:
+            out.setdefault(cell.group_name, []).append(cell)
+        return out
+
+    def describe_runs(self) -> str:
+        """'4 cells' or '4 cells x 3 seeds (0,1,2) = 12 runs'."""
+        n = len(self.groups)
+        if self.seeds is None:
+            return f"{n} cells"
+        return f"{n} cells x {len(self.seeds)} seeds ({','.join(map(str, self.seeds))}) = {len(self.cells)} runs"
 
     def identity(self) -> dict:
         """What makes two plans the same (the cells follow from it; workdir does not count)."""
@@ -92,10 +138,11 @@ class Plan:
             "fixed": [f"{k}={v}" for k, v in self.fixed],
             "eval_args": self.eval_args,
             "skip_invalid": self.skip_invalid,
+            "seeds": None if self.seeds is None else list(self.seeds),
         }
 
     def to_json(self) -> dict:
-        cells = [{"index": c.index, "name": c.name, "overrides": dict(c.overrides)} for c in self.cells]
+        cells = [c.to_json() for c in self.cells]
         return {
             "version": PLAN_VERSION,
             **self.identity(),
@@ -113,10 +160,11 @@ class Plan:
             factors=[Factor(f["key"], tuple(f["values"])) for f in data["factors"]],
             fixed=[split_assignment(s, "--set") for s in data["fixed"]],
             eval_args=data.get("eval_args", ""),
-            cells=[Cell(c["index"], c["name"], tuple(c["overrides"].items())) for c in data["cells"]],
+            cells=[Cell.from_json(c) for c in data["cells"]],
             skip_invalid=data.get("skip_invalid", False),
             skipped=data.get("skipped", []),
             workdir=workdir,
+            seeds=None if data.get("seeds") is None else tuple(int(s) for s in data["seeds"]),  # version 2: none
         )
 
 
@@ -176,8 +224,25 @@ def parse_factor(text: str) -> Factor:
     return Factor(key, tuple(values))
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """'0,1,2' or '[0,1,2]' -> (0, 1, 2): distinct non-negative integers, in the order given."""
+    seeds = []
+    for value in split_values(text):
+        if not re.fullmatch(r"\d+", value):
+            raise SweepError(f"--seeds {text!r}: {value!r} is not a non-negative integer; expected e.g. --seeds 0,1,2.")
+        if int(value) in seeds:
+            raise SweepError(f"--seeds {text!r}: seed {int(value)} is given twice.")
+        seeds.append(int(value))
+    return tuple(seeds)
+
+
 def parse_plan_options(
-    base: str, factor_texts: list[str], set_texts: list[str], eval_args: str = "", skip_invalid: bool = False
+    base: str,
+    factor_texts: list[str],
+    set_texts: list[str],
+    eval_args: str = "",
+    skip_invalid: bool = False,
+    seeds: str | None = None,
 ) -> Plan:
     """The command line's plan options, parsed (not yet validated against the config). The base
     path is made absolute, and the current directory becomes the plan's workdir."""
@@ -185,7 +250,8 @@ def parse_plan_options(
         raise SweepError("a sweep needs at least one --factor section.key=v1,v2,...")
     factors = [parse_factor(t) for t in factor_texts]
     fixed = [split_assignment(t, "--set") for t in set_texts]
-    return Plan(os.path.abspath(base), "", factors, fixed, eval_args, [], skip_invalid, workdir=os.getcwd())
+    plan = Plan(os.path.abspath(base), "", factors, fixed, eval_args, [], skip_invalid, workdir=os.getcwd())
+    return plan if seeds is None else replace(plan, seeds=parse_seeds(seeds))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,6 +319,8 @@ def check_keys(spec: Plan) -> None:
             raise SweepError(f"{option} {key}: the sweep sets this key itself ({RESERVED_KEYS[key]}).")
         if key in seen:
             raise SweepError(f"{option} {key}: this key is given more than once (as a factor or with --set).")
+        if key == SEED_KEY and spec.seeds is not None:
+            raise SweepError(f"{option} {key}: --seeds sets {SEED_KEY} of every run; give the seeds with --seeds only.")
         seen.add(key)
     try:
         shlex.split(spec.eval_args)
@@ -266,10 +334,23 @@ def build_plan(spec: Plan) -> Plan:
     check_keys(spec)
     sha = file_sha256(spec.base)
     validate_cell(spec.base, spec.fixed)  # a bad base file or --set: one message, not one per cell
+    for seed in spec.seeds or ():  # the seed does not interact with the factors: checked once each
+        validate_cell(spec.base, spec.fixed + [(SEED_KEY, str(seed))])
     cells, skipped = make_cells(spec)
     if not cells:
         raise SweepError(f"every combination is invalid; the first: {skipped[0]['reason']}")
-    return replace(spec, base_sha256=sha, cells=cells, skipped=skipped)
+    return replace(spec, base_sha256=sha, cells=expand_seeds(cells, spec.seeds), skipped=skipped)
+
+
+def expand_seeds(cells: list[Cell], seeds: tuple[int, ...] | None) -> list[Cell]:
+    """Each combination once per seed (the seed varying fastest), renumbered; unchanged without seeds."""
+    if seeds is None:
+        return cells
+    runs = [(cell, seed) for cell in cells for seed in seeds]
+    return [
+        Cell(i, f"{cell.name}_seed-{seed}", cell.overrides, seed=seed, group=cell.name)
+        for i, (cell, seed) in enumerate(runs)
+    ]
 
 
 def make_cells(spec: Plan) -> tuple[list[Cell], list[dict]]:

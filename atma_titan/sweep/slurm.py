@@ -22,6 +22,8 @@ def forwarded_args(args: argparse.Namespace) -> list[str]:
         argv += ["--base", args.base]
         argv += [f"--factor={f}" for f in args.factor]
         argv += [f"--set={s}" for s in args.set]
+        if args.seeds is not None:
+            argv.append(f"--seeds={args.seeds}")
         if args.eval_args:
             argv.append(f"--eval-args={args.eval_args}")
         if args.skip_invalid:
@@ -34,6 +36,7 @@ def forwarded_args(args: argparse.Namespace) -> list[str]:
 
 
 def sbatch_command(args: argparse.Namespace, n_cells: int) -> list[str]:
+    """One array task per run (with --seeds: every (cell, seed)); task N runs `run --cell N`."""
     array = f"0-{n_cells - 1}" + (f"%{args.max_parallel}" if args.max_parallel else "")
     script = os.path.relpath(SBATCH_SCRIPT) if SBATCH_SCRIPT.is_relative_to(Path.cwd()) else str(SBATCH_SCRIPT)
     return ["sbatch", f"--array={array}", *shlex.split(args.sbatch_args or ""), script, *forwarded_args(args)]
@@ -46,7 +49,7 @@ def submit(args: argparse.Namespace, plan: Plan) -> int:
         print(shlex.join(cmd))
         return 0
     Path("logs").mkdir(exist_ok=True)  # SLURM opens logs/%x-%A_%a.out before the script runs
-    print(f"submitting {len(plan.cells)} cells: {shlex.join(cmd)}", flush=True)
+    print(f"submitting {plan.describe_runs()} as {len(plan.cells)} array tasks: {shlex.join(cmd)}", flush=True)
     try:
         return subprocess.run(cmd).returncode
     except FileNotFoundError:
