@@ -86,16 +86,19 @@ def test_model_launches_cover_every_kernel():
 
 @pytest.mark.slow
 def test_every_kernel_has_a_config_that_fits_each_target(compiler):
-    """Per target, some config of each kernel's list fits; on the L4 (sm_89, the least shared memory) the
-    first config does, so ATMA_TRITON_AUTOTUNE=0 runs the same config there as on an A100 or H200.
-    The first configs are compiled in two processes (cold: ~45 compiles of 1-5 s; Triton's disk cache
-    makes a rerun take seconds); later ones only where a first one does not fit."""
+    """On an L4 (sm_89, the least shared memory) and an H100/H200 (sm_90) some config of each kernel's list
+    fits, and on the L4 the first config does, so ATMA_TRITON_AUTOTUNE=0 runs the same config there as on
+    an H200. The first configs are compiled in two processes (cold: ~30 compiles of 1-5 s; Triton's disk
+    cache makes a rerun take seconds); later ones only where a first one does not fit."""
     bench, cases = _bench(), _cases()
-    work = [(c, 0, arch) for c in range(len(cases)) for arch in TARGETS]
+    # sm_80 is left to benchmarks/kernel_resources.py: Triton compiles it through the same Ampere path
+    # as sm_89 (the same shared memory per config: benchmarks/results/kernel_resources.json), with a larger limit.
+    targets = [arch for arch in TARGETS if arch != 80]
+    work = [(c, 0, arch) for c in range(len(cases)) for arch in targets]
     found = bench.measure(cases, work, "atma_370m", 2048, jobs=min(2, os.cpu_count() or 1), progress=False)
     missing, not_first = [], []
     for c, case in enumerate(cases):
-        for arch in TARGETS:
+        for arch in targets:
             if compiler.KernelResources(**found[(c, 0, arch)][0]).fits(arch):
                 continue
             later = next((r for r, row in enumerate(case.rows[1:], 1) if row.compile(arch).fits(arch)), None)
