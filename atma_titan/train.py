@@ -545,13 +545,13 @@ def train_step(run: Run) -> StepStats:
     step, plan, device, dims = run.state.step + 1, run.plan, run.device, run.dims
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)
+    cfg = run.cfg.training
+    fused = cfg.loss == "fused"  # the head returns the summed CE: no (tokens x vocab) logits
+    chunks = dict(chunk_mib=cfg.loss_chunk_mib, compile_backend=cfg.compile_backend if cfg.compile else None)
     for micro in range(plan.accum):
         inputs, labels, *weights = (t.to(device, non_blocking=True) for t in next(run.batches))
         if dims.distributed:  # reduce-scatter gradients once, after the last micro-batch
             run.model.set_requires_gradient_sync(micro == plan.accum - 1)
-        cfg = run.cfg.training
-        fused = cfg.loss == "fused"  # the head returns the summed CE: no (tokens x vocab) logits
-        chunks = dict(chunk_mib=cfg.loss_chunk_mib, compile_backend=cfg.compile_backend if cfg.compile else None)
         targets = LossTargets(labels, *weights, **chunks) if fused else None
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.use_autocast):
             out, aux = run.model(inputs, return_aux=True, targets=targets)

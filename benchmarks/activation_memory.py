@@ -35,7 +35,8 @@ from atma_titan.models.flavors import resolve_model_args
 parallelize = importlib.import_module("atma_titan.parallel.parallelize")
 
 GiB = 1 << 30
-KERNEL_OPS = {"atma::polar_attention_fwd", "atma::gated_delta_chunk_fwd"}
+# The fused kernels among the ops selective AC always keeps (their forwards are what recomputing repeats).
+KERNEL_OPS = {op._schema.name for op in parallelize._KERNEL_OPS if op.namespace == "atma"}
 
 
 POLICIES = {  # name -> apply_activation_checkpointing's keywords ([activation_checkpoint] in a config)
