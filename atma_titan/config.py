@@ -224,6 +224,9 @@ class Debug:
     nan_at_step: int = opt(0, "Fault injection: make the loss NaN at this step (0 = never).")
     signal_at_step: int = opt(0, "Fault injection: send SIGTERM to one rank during this step (0 = never).")
     signal_rank: int = opt(0, "Fault injection: the rank that gets the signal.")
+    memory_cap_gib: float = opt(
+        0.0, "Cap this process's GPU memory at this many GiB, to try a smaller GPU's fit on a larger one (0 = no cap)."
+    )
 
 
 @dataclass
@@ -494,6 +497,7 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.profiling.steps >= 1, "profiling.steps", cfg.profiling.steps, "an integer >= 1")
     need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
+    need(cfg.debug.memory_cap_gib >= 0, "debug.memory_cap_gib", cfg.debug.memory_cap_gib, ">= 0")
     resolve_model_args(cfg.model)  # the flavor and the overrides together (models/flavors.py)
 
 

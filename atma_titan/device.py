@@ -6,7 +6,7 @@ import torch
 
 from atma_titan.errors import InputError
 
-__all__ = ["resolve_device"]
+__all__ = ["cap_device_memory", "resolve_device"]
 
 
 def resolve_device(name: str, local_rank: int = 0, what: str = "--device") -> torch.device:
@@ -28,3 +28,15 @@ def resolve_device(name: str, local_rank: int = 0, what: str = "--device") -> to
         if device.index is None:
             device = torch.device("cuda", local_rank)
     return device
+
+
+def cap_device_memory(device: torch.device, cap_gib: float) -> None:
+    """Let this process allocate at most `cap_gib` GiB of `device` (a smaller GPU's budget on a larger one).
+
+    The caching allocator raises out-of-memory past the cap as it would on the smaller GPU; 0 means no cap."""
+    if cap_gib <= 0 or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if cap_gib * 2**30 >= total:
+        raise InputError(f"debug.memory_cap_gib = {cap_gib} is not below this GPU's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, device)

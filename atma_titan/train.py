@@ -39,7 +39,7 @@ from atma_titan.checkpoint import (
 )
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.data import TrainData
-from atma_titan.device import resolve_device
+from atma_titan.device import cap_device_memory, resolve_device
 from atma_titan.errors import InputError, import_optional
 from atma_titan.faults import FaultInjector
 from atma_titan.folder_lock import lock_run_folder
@@ -566,10 +566,12 @@ def train_step(run: Run) -> StepStats:
         if aux is not None:
             aux_sum += aux.detach() / share
     run.faults.after_backward(step)
-    grad_norm = clip_gradients(run.model, run.cfg.training.max_norm).item()
-    # One small all-reduce a step: global loss, and whether any rank was asked to stop.
-    flags = torch.stack([loss_sum, aux_sum, torch.tensor(float(run.stop.requested), device=device)])
-    loss_value, aux_value, stop_votes = all_reduce_sum(flags, dims).tolist()
+    grad_norm = clip_gradients(run.model, run.cfg.training.max_norm)  # global already: not in the sum below
+    # One small all-reduce a step (global loss, and whether any rank was asked to stop), and the step's one
+    # host sync: the NaN policy needs the values before the optimizer step.
+    stop = torch.tensor(float(run.stop.requested), pin_memory=device.type == "cuda")  # pinned: copied without a sync
+    flags = all_reduce_sum(torch.stack([loss_sum, aux_sum, stop.to(device, non_blocking=True)]), dims)
+    loss_value, aux_value, stop_votes, grad_norm = torch.cat([flags, grad_norm.reshape(1).to(flags)]).tolist()
     apply_update(run, step, loss_value, grad_norm)
     lr = run.optimizers.param_groups[0]["lr"]
     run.schedules.step()
@@ -730,6 +732,7 @@ def train(cfg: JobConfig) -> dict:
     launcher = LauncherWatch.start()  # first: torchrun's pid, and SIGTERM from the kernel if it dies
     env = LaunchEnv.from_environ()
     device = resolve_device(cfg.training.device, env.local_rank, what="'training.device'")
+    cap_device_memory(device, cfg.debug.memory_cap_gib)
     dims = init_distributed(env, cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, device.type)
     lock = None
     try:

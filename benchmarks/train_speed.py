@@ -4,6 +4,8 @@
         --variants eager,compile,compile+selective,compile+full [--nproc 1] [-- extra overrides]
     python benchmarks/train_speed.py --variants compile+reference,compile+triton   # the kernels' effect
     python benchmarks/train_speed.py --variants compile+selective --baseline softmax   # vs a transformer
+    python benchmarks/train_speed.py --baseline softmax --variants \
+        compile+selective,compile+noac,compile+selective+step32k,compile+selective+l4,compile+full+l4
 
 Each variant is a real `torchrun -m atma_titan.train` run (FSDP2 under torchrun, even on one GPU);
 tokens/s and MFU are medians over the steps after `--warmup`, and each variant is also reported as
@@ -29,11 +31,16 @@ from pathlib import Path
 SWITCHES = {
     "eager": [],
     "compile": ["--training.compile", "true"],
+    "noac": ["--activation_checkpoint.mode", "none"],  # the recipe config itself sets selective
     "selective": ["--activation_checkpoint.mode", "selective"],
     "full": ["--activation_checkpoint.mode", "full"],
     "triton": ["--model.attention_impl", "triton", "--model.memory_impl", "triton"],
     "reference": ["--model.attention_impl", "reference", "--model.memory_impl", "reference"],
     "fla": ["--model.memory_impl", "fla"],
+    # One micro-batch per optimizer step on one GPU: the recipe's micro-batch of 16 x 2048 tokens.
+    "step32k": ["--training.batch_tokens", "32768"],
+    # An L4's budget on a larger GPU: train_configs/atma_370m_l4.toml's micro-batch under a 22 GiB cap.
+    "l4": ["--training.micro_batch_size", "8", "--debug.memory_cap_gib", "22"],
 }
 
 

@@ -51,6 +51,8 @@ def test_cli_types_are_parsed(tmp_path):
         (["--model.flavor", "huge"], ["model.flavor", "huge", "debug, atma_370m"]),
         (["--model.global_layers", "every other"], ["global_layers", "i%4==2"]),
         (["--model.n_kv_heads", "3"], ["model.n_kv_heads", "divisor"]),
+        (["--model.polar_direction", "half"], ["model.polar_direction", "'half'", "rms, unit"]),
+        (["--debug.memory_cap_gib", "-1"], ["debug.memory_cap_gib", "-1", ">= 0"]),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(argv, expected):
@@ -134,3 +136,17 @@ def test_the_l4_recipe_differs_from_the_recipe_only_in_its_micro_batch():
     for run in (recipe, l4):
         del run["job"]["dump_folder"], run["job"]["description"]
     assert l4 == recipe
+
+
+def test_the_370m_repro_cells_differ_only_in_attention_and_train_100m_synthetic_tokens():
+    def resolved(name: str) -> dict:
+        return dataclasses.asdict(load_config(["--config", str(ROOT / "train_configs" / "repro" / name)]))
+
+    polar, softmax = resolved("atma_370m_polar_memory.toml"), resolved("atma_370m_softmax_memory.toml")
+    assert (polar["model"]["flavor"], polar["training"]["seq_len"]) == ("atma_370m", 2048)
+    assert polar["data"]["source"] == "synthetic" and polar["data"]["recall_weight"] > 1  # weighted as the toy cells
+    assert 95e6 < polar["training"]["steps"] * polar["training"]["batch_tokens"] < 105e6
+    assert (polar["model"].pop("attention"), softmax["model"].pop("attention")) == ("polar", "softmax")
+    for run in (polar, softmax):
+        del run["job"]["dump_folder"], run["job"]["description"]
+    assert polar == softmax

@@ -29,3 +29,14 @@ def test_the_softmax_baseline_is_a_plain_transformer_of_the_same_size():
     with torch.device("meta"):
         sizes = [sum(p.numel() for p in ATMA(a).parameters()) for a in (atma, baseline)]
     assert 0.9 < sizes[1] / sizes[0] < 1.1, sizes
+
+
+def test_the_l4_and_one_micro_batch_switches_match_the_configs_they_stand_for():
+    bench = train_speed()
+    recipe = load_config(["--config", str(ROOT / "train_configs" / "atma_370m.toml")])
+    l4 = load_config(["--config", str(ROOT / "train_configs" / "atma_370m_l4.toml")])
+    switched = load_config(["--config", str(ROOT / "train_configs" / "atma_370m.toml"), *bench.variant_args("l4")])
+    assert switched.training.micro_batch_size == l4.training.micro_batch_size
+    assert switched.debug.memory_cap_gib == 22  # an L4's 24 GB less what CUDA and the driver keep
+    one = load_config(["--config", str(ROOT / "train_configs" / "atma_370m.toml"), *bench.variant_args("step32k")])
+    assert one.training.batch_tokens == recipe.training.micro_batch_size * recipe.training.seq_len

@@ -4,7 +4,9 @@ Polar (docs/model.md section 3) replaces softmax's "weights sum to one" with a n
 grows like the max of n noise logits, a length temperature, and two outputs: a unit direction c
 (what was found) and a bounded count mag (how much was found):
 
-    out = W_o(concat_h(c) * sigmoid(gate)) + W_mu(mag) + memory
+    out = W_o(concat_h(s * c) * sigmoid(gate)) + W_mu(mag) + memory
+
+with s = sqrt(head_dim) (model.polar_direction = "rms", the default) or 1 ("unit", the paper's form).
 
 With a cache (generation, `atma_titan.inference`) the same block continues cached sequences: a
 prefill chunk attends over every cached key (the kernels take queries at an offset), a decode step
@@ -42,6 +44,10 @@ class GlobalAttention(nn.Module):
             self.canon_v = CausalDepthwiseConv(Hkv * D, args.canon_kernel)
         if args.attention == "polar":
             self.mu_proj = nn.Linear(H, d)  # W_mu: the count channel
+            # A unit vector's elements have RMS 1/sqrt(D); under Adam/Muon (scale-free updates) W_o's effect
+            # on the output grows with its input's size, so a unit c would make the attention path learn
+            # sqrt(D) times slower than the memory readout (RMS-normed) and the MLPs beside it.
+            self.direction_scale = D**0.5 if args.polar_direction == "rms" else 1.0
             for name in POLAR_INIT:
                 setattr(self, name, nn.Parameter(torch.empty(H)))
             self.v_null = nn.Parameter(torch.empty(H, D))
@@ -90,6 +96,7 @@ class GlobalAttention(nn.Module):
         aux = None
         if a.attention == "polar":
             c, mag = self.polar(q, k, v, cache)
+            c = c * self.direction_scale
             out = self.o_proj((c * torch.sigmoid(gate)).reshape(B, T, -1)) + self.mu_proj(mag.to(x.dtype))
             if a.distractor_weight > 0 and self.training:
                 aux = a.distractor_weight * self.distractor_loss(q)

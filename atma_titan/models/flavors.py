@@ -48,6 +48,13 @@ class ModelArgs:
     position: str = arg("Position scheme in attention", "nope", ("nope", "rope"))
     canon: bool = arg("Canon residual convolutions on q, k, v", True)
     memory: bool = arg("Gated-delta memory branch in global blocks", True)
+    polar_direction: str = arg(
+        "How Polar's unit direction c enters W_o: 'rms' scales it by sqrt(head_dim), so its elements have RMS 1 like "
+        "every other projection's input; 'unit' is c as the paper writes it (at toy size Polar then learns its "
+        "attention path ~8x slower: docs/model.md section 3)",
+        "rms",
+        ("rms", "unit"),
+    )
     window: int = arg("Attention window in tokens, 0 = full context", 0)
     distractor_weight: float = arg("Weight of the distractor loss, 0 = off", 0.0)
     distractor_keys: int = arg("Random keys per query for the distractor loss", 16)
