@@ -138,6 +138,11 @@ def full_or_local(u: torch.Tensor, gather: bool) -> torch.Tensor:
     return u.full_tensor() if gather else u.to_local()
 
 
+def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's local shard (a view: in-place updates reach the DTensor), plain tensors as they are."""
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
 @dataclass(frozen=True)
 class ShardExchange:
     """The all-to-all layout of one shard group's matrices (see Muon): from shapes and group size only."""
@@ -290,15 +295,17 @@ class Muon(torch.optim.Muon):
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
             bufs = [self.state[p]["momentum_buffer"] for p in params]
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            # Element-wise, on the local shards (a buffer is laid out as its gradient): DTensor's dispatch of
+            # a foreach op costs host time per tensor, which a one-micro-batch step waits for on the GPU.
+            local_bufs, local_grads = local_tensors(bufs), local_tensors(grads)
+            torch._foreach_lerp_(local_bufs, local_grads, 1 - momentum)
             if group["nesterov"]:
-                # Formed in the gradients (zeroed after the step): DTensor has only in-place foreach lerp.
-                torch._foreach_lerp_(grads, bufs, momentum)
+                torch._foreach_lerp_(local_grads, local_bufs, momentum)  # in the gradients: zeroed after the step
             updates = grads if group["nesterov"] else bufs
             orthogonal = self._orthogonalize(updates, group["ns_steps"], group["eps"], params[0].dtype)
             # In place on each parameter's own shard, a few foreach launches for all of them (the update's
             # scale depends on the matrix's aspect ratio: one add per distinct scale).
-            mine = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+            mine = local_tensors(params)
             torch._foreach_mul_(mine, 1 - lr * wd)
             by_scale: dict[float, list[int]] = {}
             for i, p in enumerate(params):

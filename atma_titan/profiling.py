@@ -2,8 +2,10 @@
 
 Each rank writes a Chrome / Perfetto trace (`rank<R>_step<S>.json.gz`, open it in ui.perfetto.dev)
 and a table of the operators and kernels that took the most device time (`rank<R>_top.txt`), under
-<dump_folder>/<profiling.folder>. Steps are counted as the trainer counts them, so a resumed run
-records the same steps as a fresh one (or none, if it starts past the window).
+<dump_folder>/<profiling.folder>. On a GPU it also writes where the device sat idle waiting for the
+host, and what the host was doing then (`rank<R>_gaps.txt`, atma_titan.trace_gaps). Steps are
+counted as the trainer counts them, so a resumed run records the same steps as a fresh one (or none,
+if it starts past the window).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
+
+from atma_titan.trace_gaps import idle_report, read_spans
 
 TOP_ROWS = 40
 
@@ -64,5 +68,8 @@ class StepProfiler:
         sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort_by, row_limit=TOP_ROWS)
         (self.folder / f"rank{self.rank}_top.txt").write_text(table + "\n")
+        if self.cuda:
+            (self.folder / f"rank{self.rank}_gaps.txt").write_text(idle_report(read_spans(trace)))
         if self.rank == 0:
-            self.say(f"profiling: wrote {trace} and {self.folder / 'rank0_top.txt'}")
+            also = " and rank0_gaps.txt" if self.cuda else ""
+            self.say(f"profiling: wrote {trace}, {self.folder / 'rank0_top.txt'}{also}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -234,6 +235,41 @@ def test_a_folder_of_another_model_is_refused_with_the_fields(run_dir, tmp_path)
         load_hf_weights(model, folder)
 
 
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """The perturbed debug model exported once: tests damage a copy of it, or read it without transformers."""
+    return export_hf(perturbed_debug_model(), tmp_path_factory.mktemp("hf_folder") / "hf", debug_cfg())
+
+
+def test_a_folder_whose_tensor_has_another_shape_is_refused_naming_it_and_both_shapes(hf_folder, tmp_path, capsys):
+    """config.json is the model's, but one tensor in model.safetensors is not: refused before anything is loaded."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from atma_titan.eval.__main__ import main as eval_main
+
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    weights = folder / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        metadata, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    state["model.head.weight"] = state["model.head.weight"][:, :64].contiguous()  # (512, 128) -> (512, 64)
+    save_file(state, str(weights), metadata=metadata)
+
+    model = build_model(read_hf_model_args(folder), torch.device("cpu"))
+    before = model.head.weight.clone()
+    with pytest.raises(InputError) as err:
+        load_hf_weights(model, folder)
+    problems = str(err.value).split("do not fit the model: ", 1)[1]
+    assert problems == "shapes differ: head.weight (512, 64) (model (512, 128))"  # nothing missing or unexpected
+    assert torch.equal(model.head.weight, before)
+
+    out = tmp_path / "eval"
+    assert eval_main(["--checkpoint", str(folder), "--gaps", "64", "--trials", "2", "--out", str(out)]) == 2
+    message = capsys.readouterr().err.strip()
+    assert message.startswith("error: ") and message.endswith(problems) and "\n" not in message
+
+
 # ---------------------------------------------------------------------------------------------
 # checkpoint.initial_load_hf
 
@@ -281,3 +317,36 @@ def test_export_hf_added_to_a_finished_run_exports_without_training_again(tmp_pa
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "exported the Hugging Face folder" in rerun.stdout and (tmp_path / "hf" / "config.json").is_file()
     assert list(losses(tmp_path)) == [1]  # nothing was trained twice
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the hf extra
+
+_WITHOUT_TRANSFORMERS = """
+import runpy, sys
+
+sys.modules["transformers"] = None  # as if not installed: `import transformers` raises ImportError
+from atma_titan.errors import MissingExtraError
+
+try:
+    from atma_titan.hf.modeling import AtmaForCausalLM
+except MissingExtraError as e:
+    print(e)
+sys.argv = ["atma_titan.export", *sys.argv[1:]]
+runpy.run_module("atma_titan.export", run_name="__main__")
+"""
+
+
+def test_without_transformers_the_hf_model_and_export_name_the_hf_extra(hf_folder, tmp_path):
+    """A fresh interpreter without transformers: AtmaForCausalLM is a one-line error naming the extra, and the export
+    command (which reads the folder without transformers) exits 2 with that line, writing nothing."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TRANSFORMERS, "--checkpoint", str(hf_folder), "--out", str(out)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    needs = "needs the transformers package: pip install 'atma_titan[hf]' (or pip install transformers)"
+    assert proc.stdout.splitlines()[:1] == [f"the Hugging Face model (atma_titan.hf) {needs}"], proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == f"error: the Hugging Face export {needs}"
+    assert not out.exists() and not (tmp_path / ".out.tmp").exists()

@@ -99,9 +99,10 @@ def test_orthogonalize_all_caps_the_stacked_memory(monkeypatch):
         torch.testing.assert_close(c.float(), optim.orthogonalize(u, 5).float(), atol=1e-2, rtol=0)
 
 
-def test_muon_uses_only_in_place_foreach_ops_on_dtensors(tmp_path):
-    """DTensor (torch 2.11) has sharding rules for in-place foreach lerp only: an out-of-place
-    torch._foreach_lerp on FSDP2's sharded gradients failed at the first step on the H200."""
+def test_muon_runs_its_foreach_ops_on_local_shards_not_dtensors(tmp_path):
+    """DTensor dispatches a foreach op tensor by tensor on the host (the one-micro-batch step waited
+    for it on the H200), and torch 2.11 has sharding rules for in-place foreach lerp only: Muon's
+    element-wise work goes to the local shards instead."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -129,5 +130,5 @@ def test_muon_uses_only_in_place_foreach_ops_on_dtensors(tmp_path):
             opt.step()
     finally:
         dist.destroy_process_group()
-    foreach = {op for op in record.ops if op.startswith("_foreach")}
-    assert foreach and all(op.endswith("_") for op in foreach), foreach
+    assert not {op for op in record.ops if op.startswith("_foreach")}, record.ops
+    assert all(torch.isfinite(p.to_local()).all() for p in params)

@@ -1,0 +1,64 @@
+"""atma_titan.trace_gaps: GPU idle gaps of a profiler trace, blamed on what the host was launching."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+from atma_titan.trace_gaps import idle_report, read_spans
+
+
+def span(name, cat, ts, dur, correlation=None):
+    event = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
+
+
+def write_trace(path, events):
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events + [{"ph": "M", "name": "process_name"}]}, f)
+    return path
+
+
+def step_trace(tmp_path):
+    """One step: a matmul kernel, 400 us of host work in the optimizer, then its kernel; a 2nd stream overlaps."""
+    return write_trace(
+        tmp_path / "trace.json.gz",
+        [
+            span("ProfilerStep#7", "user_annotation", 0, 1000),
+            span("Optimizer.step#AdamW.step", "user_annotation", 500, 400),
+            span("aten::mm", "cpu_op", 100, 10),
+            span("aten::_fused_adamw_", "cpu_op", 550, 300),
+            span("aten::add_", "cpu_op", 560, 5),  # nested in the fused op: the outermost operator is named
+            span("cudaLaunchKernel", "cuda_runtime", 101, 5, correlation=1),
+            span("cudaLaunchKernel", "cuda_runtime", 840, 5, correlation=2),
+            span("cudaMemcpyAsync", "cuda_runtime", 102, 5, correlation=3),
+            span("mm_kernel", "kernel", 110, 100, correlation=1),
+            span("Memcpy HtoD", "gpu_memcpy", 150, 100, correlation=3),  # overlaps the matmul: busy, not a gap
+            span("fused_adamw_kernel", "kernel", 850, 50, correlation=2),
+        ],
+    )
+
+
+def test_idle_time_is_blamed_on_the_host_work_that_launched_the_next_kernel(tmp_path):
+    report = idle_report(read_spans(step_trace(tmp_path)))
+    assert "profiled steps (host): 1.0 ms" in report
+    # device busy 110..250 and 850..900: 0.19 ms busy, 0.60 ms idle over a 0.79 ms span
+    assert "busy 0.2 ms, idle 0.6 ms (76%)" in report
+    assert "0.60 ms  Optimizer.step#AdamW.step / aten::_fused_adamw_" in report
+    assert "0.60 ms  before fused_adamw_kernel" in report
+
+
+def test_a_trace_without_gpu_activity_says_so(tmp_path):
+    path = write_trace(tmp_path / "cpu.json.gz", [span("aten::mm", "cpu_op", 0, 10)])
+    assert idle_report(read_spans(path)) == "no GPU activity in this trace\n"
+
+
+def test_the_command_prints_the_report_and_refuses_a_missing_file(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "atma_titan.trace_gaps", str(step_trace(tmp_path))],
+                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ok.returncode == 0 and "largest gaps" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "atma_titan.trace_gaps", str(tmp_path / "none.json")],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "usage" in bad.stderr and not bad.stdout
