@@ -127,7 +127,7 @@ def test_dev_extra_installs_every_optional_integration_for_the_tests():
 
 # Every optional extra's import names, blocked in the subprocess below.
 BLOCKED = ["datasets", "tiktoken", "tokenizers", "huggingface_hub", "pyarrow", "zstandard", "wandb", "tensorboard",
-           "matplotlib", "fla", "lm_eval"]  # fmt: skip
+           "matplotlib", "fla", "lm_eval", "transformers", "accelerate", "aiohttp", "s3fs", "gcsfs"]  # fmt: skip
 
 _IMPORT_ALL = """
 import importlib, pkgutil, sys
