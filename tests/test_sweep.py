@@ -368,6 +368,71 @@ def test_sigterm_stops_the_running_cell_gracefully(tmp_path, monkeypatch, capsys
     assert signal.getsignal(signal.SIGTERM) is handler_before  # handlers restored
 
 
+def test_jobs_run_cells_at_once_and_the_sweep_collects_them_all(tmp_path, monkeypatch, capsys):
+    fake, lock, running, most = FakeCommands(), threading.Lock(), [0], [0]
+
+    def overlapping(cmd, log_path):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)  # long enough for the other worker to start its cell
+        try:
+            return fake(cmd, log_path)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(local, "spawn", overlapping)
+    out = tmp_path / "sweep"
+    assert run_2x2(out, "--jobs", "2") == 0
+    assert most[0] == 2  # two cells at once, never more
+    assert sorted(fake.calls) == sorted((stage, n) for n in NAMES_2X2 for stage in ("train", "eval"))
+    assert (out / "results.md").read_text().count("| done |") == 4
+    assert "4 ok" in capsys.readouterr().out
+
+
+def test_sigterm_with_jobs_stops_every_running_cell_and_starts_no_other(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "sweep"
+    child = (
+        "import signal, sys, time, pathlib\n"
+        "m = pathlib.Path(sys.argv[1])\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (m.write_text('got SIGTERM'), sys.exit(0)))\n"
+        "m.write_text('started')\n"
+        "time.sleep(30)\n"
+    )
+
+    def markers():
+        return sorted(tmp_path.glob("marker-*"))
+
+    def train_command(plan, cell, *rest):
+        return [sys.executable, "-c", child, str(tmp_path / f"marker-{cell.name}")]
+
+    monkeypatch.setattr(local, "train_command", train_command)
+
+    def send_sigterm():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+            len(markers()) == 2 and all(m.read_text() == "started" for m in markers())
+        ):
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send_sigterm, daemon=True).start()
+    argv = ["run", "--base", BASE, "--out", str(out), "--factor", "model.window=0,16,32", "--no-eval", "--jobs", "2"]
+    rc = sweep.main(argv)
+    assert rc == 128 + signal.SIGTERM
+    assert [m.name for m in markers()] == ["marker-window-0", "marker-window-16"]
+    assert all(m.read_text() == "got SIGTERM" for m in markers())  # both running cells were told
+    stdout = capsys.readouterr().out
+    assert "window-32" not in stdout and not list(out.glob("cells/*/FAILED"))
+
+
+def test_jobs_below_one_is_a_clear_error(tmp_path, fake, capsys):
+    assert run_2x2(tmp_path / "sweep", "--jobs", "0") == 2
+    assert "--jobs 0: run at least one cell at a time" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists() and not fake.calls  # refused before the plan is written
+
+
 def test_plan_mismatch_is_an_error_unless_forced(tmp_path, fake, capsys):
     out = tmp_path / "sweep"
     assert run_2x2(out, "--no-eval") == 0

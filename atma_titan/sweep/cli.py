@@ -75,6 +75,12 @@ def add_command_options(name: str, p: argparse.ArgumentParser) -> None:
         )
     if name == "run":
         p.add_argument("--cell", type=int, metavar="INDEX", help="run only this cell (what an array task runs)")
+        p.add_argument(
+            "--jobs",
+            type=int,
+            default=1,
+            help="cells run at once on this machine, sharing its GPU (small models: one cell leaves it idle)",
+        )
     if name == "slurm":
         p.add_argument("--max-parallel", type=int, default=0, help="at most N array tasks at once (0: no limit)")
         p.add_argument("--sbatch-args", help='extra sbatch options, e.g. "--time=04:00:00 -p gpu"')
@@ -147,11 +153,15 @@ def resolve_plan(args: argparse.Namespace, *, write: bool) -> Plan:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    if args.jobs < 1:  # before the plan is written
+        raise SweepError(f"--jobs {args.jobs}: run at least one cell at a time (allowed: 1 or more)")
     plan = resolve_plan(args, write=True)
     if plan.skipped:
         names = ", ".join(s["name"] for s in plan.skipped)
         print(f"left out {len(plan.skipped)} invalid combination(s) (--skip-invalid): {names}", flush=True)
-    return run_sweep(plan, Path(args.out), cell_index=args.cell, evaluate=not args.no_eval, launcher=args.launcher)
+    return run_sweep(
+        plan, Path(args.out), cell_index=args.cell, evaluate=not args.no_eval, launcher=args.launcher, jobs=args.jobs
+    )
 
 
 def list_command(args: argparse.Namespace) -> int:

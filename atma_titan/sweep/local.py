@@ -1,5 +1,5 @@
-"""Running cells here, one after another: the train and eval commands, their stages, failures, and
-a graceful stop on SIGTERM / SIGINT.
+"""Running cells here, one after another or several at once (--jobs): the train and eval commands,
+their stages, failures, and a graceful stop on SIGTERM / SIGINT.
 
 Each command runs in the plan's workdir with absolute cell paths, so that the sweep works the
 same from any current directory.
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from atma_titan.sweep.cells import EVAL_LOG, TRAIN_LOG, CellFolder
@@ -27,16 +28,17 @@ EVAL_TRIALS = 256
 
 
 class SweepStop:
-    """A stop request (SIGTERM / SIGINT) for the sweep; forwarded to the running child as SIGTERM."""
+    """A stop request (SIGTERM / SIGINT) for the sweep; forwarded to every running child as SIGTERM."""
 
     signum: int | None = None
-    child: subprocess.Popen | None = None
+    children: set[subprocess.Popen] = set()  # one per cell running (several with --jobs)
 
     @classmethod
     def handler(cls, signum, frame) -> None:
         cls.signum = signum
-        if cls.child is not None and cls.child.poll() is None:
-            cls.child.send_signal(signal.SIGTERM)  # the trainer checkpoints and exits; a repeat aborts
+        for child in list(cls.children):
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)  # the trainer checkpoints and exits; a repeat aborts
 
     @classmethod
     def install(cls) -> dict:
@@ -61,11 +63,11 @@ def spawn(cmd: list[str], log_path: Path) -> int:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} in {cwd or os.getcwd()} $ {shlex.join(cmd)}\n")
         log.flush()
         child = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
-        SweepStop.child = child
+        SweepStop.children.add(child)
         try:
             return child.wait()
         finally:
-            SweepStop.child = None
+            SweepStop.children.discard(child)
 
 
 def absolute(path: Path) -> str:
@@ -202,8 +204,35 @@ def run_cell(plan: Plan, cell: Cell, out: Path, *, evaluate: bool, launcher: str
     return evaluate_cell(plan, cell, out, tag) if evaluate else "ok"
 
 
-def run_sweep(plan: Plan, out: Path, *, cell_index: int | None, evaluate: bool, launcher: str | None) -> int:
-    """Run the cells (or one), then collect. Exit status: 0, 1 (a cell failed), 128 + signal (stopped)."""
+def run_cells(plan: Plan, cells: list[Cell], out: Path, jobs: int, **options) -> dict[str, list[str]]:
+    """Each cell's outcome, the cells run `jobs` at a time (each its own train / eval processes); after a
+    stop request no further cell starts."""
+    outcomes: dict[str, list[str]] = {}
+
+    def one(cell: Cell) -> None:
+        if SweepStop.signum is None:
+            outcomes.setdefault(run_cell(plan, cell, out, **options), []).append(cell.name)
+
+    if jobs == 1:
+        for cell in cells:
+            one(cell)
+            if "stopped" in outcomes:
+                break
+        return outcomes
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cell") as pool:
+        pending = {pool.submit(one, cell) for cell in cells}
+        while pending:  # a timed wait: the main thread stays free to take a signal
+            done, pending = wait(pending, timeout=0.5)
+            for future in done:
+                future.result()  # a cell's unexpected error ends the sweep, as it does one cell at a time
+    return outcomes
+
+
+def run_sweep(
+    plan: Plan, out: Path, *, cell_index: int | None, evaluate: bool, launcher: str | None, jobs: int = 1
+) -> int:
+    """Run the cells (or one), `jobs` at a time, then collect. Exit status: 0, 1 (a cell failed), 128 + signal
+    (stopped)."""
     if cell_index is not None and not 0 <= cell_index < len(plan.cells):
         raise SweepError(f"--cell {cell_index}: the sweep has cells 0..{len(plan.cells) - 1}.")
     if not os.path.isdir(plan.workdir):  # e.g. the sweep folder was copied to another machine
@@ -214,15 +243,8 @@ def run_sweep(plan: Plan, out: Path, *, cell_index: int | None, evaluate: bool, 
     cells = plan.cells if cell_index is None else [plan.cells[cell_index]]
     old_handlers = SweepStop.install()
     SweepStop.signum = None
-    outcomes: dict[str, list[str]] = {}
     try:
-        for cell in cells:
-            if SweepStop.signum is not None:
-                break
-            outcome = run_cell(plan, cell, out, evaluate=evaluate, launcher=launcher)
-            outcomes.setdefault(outcome, []).append(cell.name)
-            if outcome == "stopped":
-                break
+        outcomes = run_cells(plan, cells, out, jobs, evaluate=evaluate, launcher=launcher)
     finally:
         for signum, handler in old_handlers.items():
             signal.signal(signum, handler)
