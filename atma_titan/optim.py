@@ -140,7 +140,7 @@ def full_or_local(u: torch.Tensor, gather: bool) -> torch.Tensor:
 
 def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's local shard (a view: in-place updates reach the DTensor), plain tensors as they are."""
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return [full_or_local(t, gather=False) for t in tensors]
 
 
 @dataclass(frozen=True)
