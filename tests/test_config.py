@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
+from atma_titan.models.flavors import FLAVORS, resolve_model_args
 from distributed_utils import ROOT
 
 
@@ -144,6 +145,11 @@ def test_the_370m_repro_cells_differ_only_in_attention_and_train_100m_synthetic_
 
     polar, softmax = resolved("atma_370m_polar_memory.toml"), resolved("atma_370m_softmax_memory.toml")
     assert (polar["model"]["flavor"], polar["training"]["seq_len"]) == ("atma_370m", 2048)
+    # the toy cells' synthetic language (it draws its tokens from the whole vocabulary) in the 370M blocks
+    toy = load_config(["--config", str(ROOT / "train_configs" / "repro" / "polar_memory.toml")])
+    big = load_config(["--config", str(ROOT / "train_configs" / "repro" / "atma_370m_polar_memory.toml")])
+    assert resolve_model_args(big.model).vocab_size == resolve_model_args(toy.model).vocab_size == 512
+    assert resolve_model_args(big.model).d_model == FLAVORS["atma_370m"].d_model
     assert polar["data"]["source"] == "synthetic" and polar["data"]["recall_weight"] > 1  # weighted as the toy cells
     assert 95e6 < polar["training"]["steps"] * polar["training"]["batch_tokens"] < 105e6
     assert (polar["model"].pop("attention"), softmax["model"].pop("attention")) == ("polar", "softmax")
