@@ -187,7 +187,11 @@ class Checkpoint:
 class Parallelism:
     dp_shard: int = opt(-1, "FSDP shard degree, -1 = all ranks not used by other dimensions.")
     dp_replicate: int = opt(1, "Replicate degree (HSDP when > 1).")
-    reshard_after_forward: bool = opt(True, "FSDP: free gathered block parameters after forward (less memory).")
+    reshard_after_forward: Optional[bool] = opt(
+        None,
+        "FSDP: free the gathered block parameters after forward (less memory, one more all-gather per block in "
+        "backward). Unset: true when blocks are sharded over several ranks, false at dp_shard = 1.",
+    )
 
 
 @dataclass

@@ -41,6 +41,8 @@ SWITCHES = {
     "step32k": ["--training.batch_tokens", "32768"],
     # An L4's budget on a larger GPU: train_configs/atma_370m_l4.toml's micro-batch under a 22 GiB cap.
     "l4": ["--training.micro_batch_size", "8", "--debug.memory_cap_gib", "22"],
+    # FSDP re-gathers every block in backward (the setting's default on several ranks; unset, one rank keeps them).
+    "reshard": ["--parallelism.reshard_after_forward", "true"],
 }
 
 

@@ -40,3 +40,10 @@ def test_the_l4_and_one_micro_batch_switches_match_the_configs_they_stand_for():
     assert switched.debug.memory_cap_gib == 22  # an L4's 24 GB less what CUDA and the driver keep
     one = load_config(["--config", str(ROOT / "train_configs" / "atma_370m.toml"), *bench.variant_args("step32k")])
     assert one.training.batch_tokens == recipe.training.micro_batch_size * recipe.training.seq_len
+
+
+def test_the_reshard_switch_turns_on_what_one_rank_leaves_off():
+    bench = train_speed()
+    recipe = ["--config", str(ROOT / "train_configs" / "atma_370m.toml")]
+    assert load_config(recipe).parallelism.reshard_after_forward is None  # one rank: no re-gather in backward
+    assert load_config(recipe + bench.variant_args("reshard")).parallelism.reshard_after_forward is True

@@ -79,9 +79,17 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     model.head = torch.compile(model.head, fullgraph=True, backend=backend)
 
 
+def resolve_reshard_after_forward(reshard_after_forward: bool | None, dims: ParallelDims) -> bool:
+    """`parallelism.reshard_after_forward`, unset: reshard only when the blocks are sharded over several ranks.
+    At dp_shard = 1 a rank holds every parameter whole: resharding would free only the gathered (bf16) copy
+    and pay for it with a second gather and FSDP's pre-backward hook in every block's backward."""
+    return dims.dp_shard > 1 if reshard_after_forward is None else reshard_after_forward
+
+
 def apply_fsdp(
-    model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None, reshard_after_forward: bool = True
+    model: nn.Module, dims: ParallelDims, *, param_dtype: torch.dtype | None, reshard_after_forward: bool | None = None
 ) -> None:
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, dims)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shard = dict(mesh=dims.dp_mesh, mp_policy=mp)
     fully_shard(model.embed, **shard, reshard_after_forward=reshard_after_forward)
@@ -102,7 +110,7 @@ def parallelize(
     compile: bool = False,
     compile_backend: str = "inductor",
     param_dtype: torch.dtype | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     apply_activation_checkpointing(model, ac_mode, ac_every_n, ac_save)
     if compile:
