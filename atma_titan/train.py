@@ -27,7 +27,6 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from atma_titan.checkpoint import (
     CheckpointError,
@@ -57,6 +56,7 @@ from atma_titan.models import ATMA, ModelArgs, build_model, parameter_breakdown,
 from atma_titan.models.atma import non_embedding_params
 from atma_titan.models.loss import LossTargets
 from atma_titan.optim import LRSchedules, Optimizers, build_optimizers
+from atma_titan.parallel.grad_norm import clip_grads_, total_norm
 from atma_titan.parallel import (
     LaunchEnv,
     ParallelDims,
@@ -166,12 +166,10 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all (possibly sharded) parameters; clip to `max_norm` when > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # sum the shards' partial norms across ranks
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = total_norm(grads)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        clip_grads_(grads, max_norm, norm)
     return norm
 
 

@@ -31,9 +31,10 @@ TINY = [
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_trainer(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_trainer(nproc: int, *args: str, timeout: int = 300, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """One process is plain python (no FSDP) unless `torchrun`; several are always torchrun (FSDP2)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    if nproc == 1:
+    if nproc == 1 and not torchrun:
         cmd = [sys.executable, "-m", "atma_titan.train", *args]
     else:
         cmd = [
@@ -52,3 +53,14 @@ def run_trainer(nproc: int, *args: str, timeout: int = 300) -> subprocess.Comple
 def losses(folder: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}  # a resumed run appends; later rows win
+
+
+def run_gloo_script(script: str, world: int, folder: Path, timeout: int = 240) -> dict:
+    """Run `script` (Python source) on `world` gloo ranks under torchrun; it writes a JSON result to argv[1]."""
+    path, out = Path(folder) / "script.py", Path(folder) / "result.json"
+    path.write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, str(out)], timeout=timeout, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())

@@ -323,3 +323,15 @@ def test_debug_config_trains_on_two_ranks_as_the_readme_runs_it(tmp_path):
     )
     assert "2 micro-batches of 4 on each of 2 ranks" in proc.stdout
     assert list(losses(tmp_path)) == [1, 2] and (tmp_path / "checkpoints" / "step-2").is_dir()
+
+
+def test_one_rank_under_torchrun_keeps_its_blocks_gathered_and_trains_as_one_process(tmp_path):
+    """At dp_shard = 1 FSDP keeps the gathered blocks through backward (parallelism.reshard_after_forward
+    unset), also across the validation forward between steps: the losses are plain python's."""
+    common = [*TINY, "--training.steps", "4", "--eval.interval", "2", "--eval.val_batches", "2"]
+    ok(run_trainer(1, *common, "--job.dump_folder", str(tmp_path / "plain")))
+    ok(run_trainer(1, *common, "--job.dump_folder", str(tmp_path / "fsdp"), torchrun=True))
+    plain, fsdp = losses(tmp_path / "plain"), losses(tmp_path / "fsdp")
+    assert list(plain) == list(fsdp) == [1, 2, 3, 4]
+    for step in plain:
+        assert fsdp[step] == pytest.approx(plain[step], rel=1e-4), step

@@ -1,16 +1,12 @@
 """Sharded Muon: one owner rank orthogonalises each matrix (atma_titan.optim.Muon, assign_owners)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from atma_titan import optim
 from atma_titan.optim import assign_owners, newton_schulz_flops, orthogonalize_all, shard_rows
+from distributed_utils import run_gloo_script
 
 
 def test_newton_schulz_flops_counts_the_products_orthogonalize_runs():
@@ -135,14 +131,7 @@ os._exit(0)  # see tests/test_distributed.py: gloo's C++ teardown at exit is fla
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sharded_muon_equals_single_process_muon_and_each_matrix_has_one_owner(tmp_path, world):
-    script = tmp_path / "muon_owners.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, str(script), str(out)], timeout=240, capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    result = json.loads(out.read_text())
+    result = run_gloo_script(SCRIPT, world, tmp_path)
     n, steps = 9, 3
     columns = result["columns"]
     assert all(columns["equal"]) and columns["placements"] == ["Shard(dim=1)"]

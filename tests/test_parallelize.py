@@ -1,4 +1,4 @@
-"""FSDP2 wrapping in one process (gloo, one rank): when the blocks' gathered parameters are freed after forward."""
+"""FSDP2 wrapping (when blocks are resharded after forward) and the gradient norm from local shards (1-4 gloo ranks)."""
 
 import dataclasses
 import json
@@ -15,7 +15,7 @@ from atma_titan.models.atma import ATMA
 from atma_titan.models.flavors import FLAVORS
 from atma_titan.parallel.dims import ParallelDims
 from atma_titan.parallel.parallelize import apply_fsdp, resolve_reshard_after_forward
-from distributed_utils import ROOT
+from distributed_utils import ROOT, run_gloo_script
 
 
 def dims(dp_shard: int, dp_replicate: int = 1) -> ParallelDims:
@@ -65,3 +65,66 @@ def test_the_hook_benchmark_reports_both_settings(tmp_path):
     assert set(results) == {"reshard_after_forward=True", "reshard_after_forward=False"}
     for result in results.values():
         assert {"pre_forward", "pre_backward"} <= set(result["hook_ms_per_block"]) and result["step_ms_median"] > 0
+
+
+GRAD_NORM_SCRIPT = r"""
+import json, os, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from atma_titan.parallel import grad_norm
+
+SHAPES = [(20, 12), (16, 12), (6, 20), (3, 8), (40, 5), (1, 7)]  # uneven rows, fewer rows than ranks
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(cols, rows, bias=rows % 2 == 0) for rows, cols in SHAPES))
+
+dist.init_process_group("gloo")
+world, rank = dist.get_world_size(), dist.get_rank()
+full = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float32)
+        for i, p in enumerate(make().parameters())]
+reference = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in full]))
+result = {"reference": reference.item()}
+layouts = {"plain": None, "fsdp": (world,), "hsdp": (2, world // 2) if world > 1 else (1, 1)}
+for name, shape in layouts.items():
+    model = make()
+    if shape is not None:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    grads = [distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g.clone()
+             for g, p in zip(full, model.parameters())]
+    local_path = grad_norm._shard_dims(grads) is not None
+    norm = grad_norm.total_norm(grads)
+    grad_norm.clip_grads_(grads, 0.5 * reference.item(), norm)
+    clipped = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+    expected = [g * torch.clamp(0.5 * reference / (norm.double() + 1e-6), max=1.0).float() for g in full]
+    norms = [None] * world
+    dist.all_gather_object(norms, norm.item())
+    result[name] = {
+        "local_path": local_path,
+        "norms": norms,
+        "clipped_equal": all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(clipped, expected)),
+    }
+if rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(result, f)
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)  # see tests/test_distributed.py: gloo's C++ teardown at exit is flaky on CPU
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_norm_of_local_shards_is_the_whole_gradients_norm(tmp_path, world):
+    result = run_gloo_script(GRAD_NORM_SCRIPT, world, tmp_path)
+    for name in ("plain", "fsdp", "hsdp"):
+        r = result[name]
+        assert r["local_path"] == (name != "plain"), name  # FSDP's shards skip the DTensor dispatch
+        assert r["norms"] == [r["norms"][0]] * world, name  # every rank clips by the same norm
+        assert r["norms"][0] == pytest.approx(result["reference"], rel=1e-6), name
+        assert r["clipped_equal"], name

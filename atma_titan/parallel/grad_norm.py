@@ -1,0 +1,54 @@
+"""The global gradient norm of FSDP-sharded gradients from their local shards.
+
+`torch.nn.utils.get_total_norm` over DTensors dispatches every per-tensor norm through DTensor on the
+host (milliseconds a step at 370M on one GPU). The shards' squared norms add up to the whole's, so one
+foreach norm over the local tensors and one all-reduce over the mesh dimensions they are sharded on give
+the same norm. Gradients in another layout (a Partial placement, several meshes) take the DTensor path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+__all__ = ["clip_grads_", "total_norm"]
+
+
+def _shard_dims(grads: list[torch.Tensor]) -> list[int] | None:
+    """The mesh dimensions all `grads` are sharded on; None if they are not all Shard/Replicate DTensors of
+    one mesh and one placement (then the DTensor path is the safe one)."""
+    if not all(isinstance(g, DTensor) for g in grads):
+        return None
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any(g.device_mesh != mesh or g.placements != placements for g in grads):
+        return None
+    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
+        return None
+    return [dim for dim, p in enumerate(placements) if isinstance(p, Shard)]
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `grads` together, as a plain tensor (the same on every rank)."""
+    if not grads:
+        return torch.zeros(())
+    dims = _shard_dims(grads)
+    if dims is None:
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    mesh = grads[0].device_mesh
+    squared = torch.nn.utils.get_total_norm([g.to_local() for g in grads]).square()
+    for dim in dims:
+        if mesh.size(dim) > 1:
+            dist.all_reduce(squared, group=mesh.get_group(dim))
+    return squared.sqrt()
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale `grads` in place so that their total norm `norm` is at most `max_norm`, as
+    `torch.nn.utils.clip_grads_with_norm_` does (its coefficient), on the local shards in one foreach launch."""
+    if not grads:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # views: the DTensors change too
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(local[0].device)
+    torch._foreach_mul_(local, coef)
