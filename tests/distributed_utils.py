@@ -55,10 +55,24 @@ def losses(folder: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}  # a resumed run appends; later rows win
 
 
+# Appended to every run_gloo_script script: rank 0 writes the script's `result`, then every rank leaves.
+GLOO_SCRIPT_END = """
+import json as _json, os as _os, sys as _sys
+import torch.distributed as _dist
+if _dist.get_rank() == 0:
+    with open(_sys.argv[1], "w") as f:
+        _json.dump(result, f)
+_dist.barrier()
+_dist.destroy_process_group()
+_os._exit(0)  # see tests/test_distributed.py: gloo's C++ teardown at exit is flaky on CPU
+"""
+
+
 def run_gloo_script(script: str, world: int, folder: Path, timeout: int = 240) -> dict:
-    """Run `script` (Python source) on `world` gloo ranks under torchrun; it writes a JSON result to argv[1]."""
+    """Run `script` (Python source that starts the gloo group and sets `result`, a JSON-able dict) on `world`
+    ranks under torchrun, and return rank 0's `result`."""
     path, out = Path(folder) / "script.py", Path(folder) / "result.json"
-    path.write_text(script)
+    path.write_text(script + GLOO_SCRIPT_END)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, str(out)], timeout=timeout, capture_output=True, text=True, env=env)

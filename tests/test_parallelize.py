@@ -68,7 +68,7 @@ def test_the_hook_benchmark_reports_both_settings(tmp_path):
 
 
 GRAD_NORM_SCRIPT = r"""
-import json, os, sys, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -109,12 +109,6 @@ for name, shape in layouts.items():
         "norms": norms,
         "clipped_equal": all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(clipped, expected)),
     }
-if rank == 0:
-    with open(sys.argv[1], "w") as f:
-        json.dump(result, f)
-dist.barrier()
-dist.destroy_process_group()
-os._exit(0)  # see tests/test_distributed.py: gloo's C++ teardown at exit is flaky on CPU
 """
 
 
