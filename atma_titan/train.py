@@ -56,14 +56,15 @@ from atma_titan.models import ATMA, ModelArgs, build_model, parameter_breakdown,
 from atma_titan.models.atma import non_embedding_params
 from atma_titan.models.loss import LossTargets
 from atma_titan.optim import LRSchedules, Optimizers, build_optimizers
-from atma_titan.parallel.grad_norm import clip_grads_, total_norm
 from atma_titan.parallel import (
     LaunchEnv,
     ParallelDims,
     all_reduce_sum,
+    clip_grads_,
     destroy_distributed,
     init_distributed,
     parallelize,
+    total_norm,
 )
 from atma_titan.preemption import LauncherWatch, StopRequest
 from atma_titan.profiling import StepProfiler

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from atma_titan.optim import local_tensors
+
 __all__ = ["clip_grads_", "total_norm"]
 
 
@@ -37,7 +39,7 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(grads)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     mesh = grads[0].device_mesh
-    squared = torch.nn.utils.get_total_norm([g.to_local() for g in grads]).square()
+    squared = torch.nn.utils.get_total_norm(local_tensors(grads)).square()
     for dim in dims:
         if mesh.size(dim) > 1:
             dist.all_reduce(squared, group=mesh.get_group(dim))
@@ -49,6 +51,6 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) 
     `torch.nn.utils.clip_grads_with_norm_` does (its coefficient), on the local shards in one foreach launch."""
     if not grads:
         return
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # views: the DTensors change too
+    local = local_tensors(grads)  # views: the DTensors change too
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(local[0].device)
     torch._foreach_mul_(local, coef)
