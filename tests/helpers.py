@@ -6,7 +6,13 @@ tests/polar_triton_cases.py, tests/test_polar_triton.py). Gated delta rule: `ran
 `random_step`, `exact_step`, `compare_to_float64`, `assert_relative_close` (tests/test_gated_delta_reference.py,
 tests/gated_delta_triton_cases.py, tests/test_gated_delta_triton.py). Evaluation: `HandModel`,
 `Induction` (tests/test_eval.py, tests/test_eval_records.py). Training: `SMALL`, `EVAL_TRAIN`.
+Triton's CPU interpreter: `run_interpreter_cases` (the four kernel test modules).
 """
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -268,3 +274,20 @@ def perturbed_debug_model(device=torch.device("cpu"), seed: int = 1, **overrides
             if torch.all(p == 0):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton's CPU interpreter
+
+
+def run_interpreter_cases(cases: str, timeout: int = 600) -> None:
+    """Run tests/`cases` in a fresh pytest with TRITON_INTERPRET=1: the variable must be set before
+    triton is first imported, and another test module of this process may already have imported it.
+    Every case must pass (none skipped). One thread, one process (`-n 0`): pyproject's xdist workers
+    already fill the cores."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", f"tests/{cases}"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    run_interpreter_cases,
     NAMES,
     assert_relative_close,
     cast,
@@ -33,19 +31,13 @@ from atma_titan.kernels.gated_delta import (
     gated_delta_step_,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-CASES = Path(__file__).with_name("gated_delta_triton_cases.py")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kernels_under_the_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreter_cases("gated_delta_triton_cases.py")
 
 
 # ---------------------------------------------------------------------------------------------

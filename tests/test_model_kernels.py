@@ -6,28 +6,18 @@ subprocess and compares it with the references; the rest checks how `auto` / `tr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import run_interpreter_cases
 
 from atma_titan.config import ConfigError, load_config
 from atma_titan.kernels.backends import use_triton
 from atma_titan.models import resolve_model_args
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.slow
 def test_model_with_triton_kernels_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/model_kernels_cases.py"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreter_cases("model_kernels_cases.py", timeout=900)
 
 
 def test_auto_takes_the_reference_on_cpu_and_triton_on_cuda():

@@ -10,28 +10,21 @@ table and lengths change.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_interpreter_cases
 from polar_decode_cases import dense_last_rows, make_paged, rounded
 
 from atma_titan.kernels.paged import write_pages
 from atma_titan.kernels.polar import polar_decode, polar_decode_reference, polar_decode_triton
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.slow
 def test_interpreter_cases():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/polar_decode_cases.py"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreter_cases("polar_decode_cases.py")
 
 
 # ---------------------------------------------------------------------------------------------

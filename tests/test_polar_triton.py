@@ -8,27 +8,19 @@ GPU (skipped without CUDA): bf16 at realistic shapes against the float64 naive f
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import PARAM_NAMES, make_inputs, random_cotangents
+from helpers import PARAM_NAMES, make_inputs, random_cotangents, run_interpreter_cases
 
 from atma_titan.kernels.polar import polar_attention_naive, polar_attention_triton
 
-ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.slow
 def test_interpreter_cases():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/polar_triton_cases.py"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    run_interpreter_cases("polar_triton_cases.py")
 
 
 def test_cpu_without_interpreter_raises():
