@@ -12,7 +12,6 @@ Triton's CPU interpreter: `run_interpreter_cases` (the four kernel test modules)
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atma_titan.kernels.gated_delta.reference import gated_delta_chunked, gated_delta_recurrent, gated_delta_step
+from distributed_utils import ROOT
 
 F64 = torch.float64
 
@@ -285,9 +285,8 @@ def run_interpreter_cases(cases: str, timeout: int = 600) -> None:
     triton is first imported, and another test module of this process may already have imported it.
     Every case must pass (none skipped). One thread, one process (`-n 0`): pyproject's xdist workers
     already fill the cores."""
-    root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", f"tests/{cases}"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

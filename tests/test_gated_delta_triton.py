@@ -15,7 +15,6 @@ import os
 import pytest
 import torch
 from helpers import (
-    run_interpreter_cases,
     NAMES,
     assert_relative_close,
     cast,
@@ -23,6 +22,7 @@ from helpers import (
     exact_step,
     random_inputs,
     random_step,
+    run_interpreter_cases,
 )
 
 from atma_titan.kernels.gated_delta import (

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -32,12 +31,8 @@ def test_unset_reshards_only_when_blocks_are_sharded_over_several_ranks():
 
 
 @pytest.fixture
-def one_rank_mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
-    finally:
-        dist.destroy_process_group()
+def one_rank_mesh(one_rank_gloo):
+    return init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 @pytest.mark.parametrize("setting, gathered_after_forward", [(None, True), (True, False), (False, True)])
