@@ -44,6 +44,7 @@ from atma_titan.eval import (
 )
 from atma_titan.eval import corpus as corpus_module
 from atma_titan.eval.__main__ import main as eval_main
+from atma_titan.eval.compare import main as compare_main
 from atma_titan.eval.corpus import DocumentHaystack, TokenCorpus, shard_documents, text_documents
 from atma_titan.eval.needle import ACCESS_CUE, PASSKEY_CUE
 from atma_titan.eval.plots import dodge_factors, needle_figure, needle_panels
@@ -464,6 +465,53 @@ def test_dodge_is_centred_and_its_spread_capped():
     assert three[1] == 1.0 and three[0] * three[2] == pytest.approx(1.0) and three[0] < 1 < three[2]
     many = dodge_factors(40)
     assert math.log2(many[-1] / many[0]) == pytest.approx(0.45) and len(set(many)) == 40
+
+
+def _written_results(tmp_path, name: str, results: dict) -> Path:
+    write_results(results, tmp_path / name)
+    return tmp_path / name
+
+
+def test_compare_puts_the_models_in_one_table_and_one_figure(tmp_path):
+    a = {**fake_results("polar", 0.0), "train_seq_len": 2048}
+    b = {**fake_results("softmax", 0.2), "train_seq_len": 2048}
+    b["needle"][0] = {**b["needle"][0], "exact_acc": 0.125}  # access, depth 0, 2K
+    folder = _written_results(tmp_path, "a", a)
+    assert compare_main([str(folder), str(_written_results(tmp_path, "b", b) / "results.json"),
+                         "--out", str(tmp_path / "cmp")]) == 0  # fmt: skip
+    md = (tmp_path / "cmp" / "results.md").read_text()
+    exact = _cells(md, "exact recall (% of trials) by gap")
+    assert "| model | variant | depth | mode | 2K (1x) | 4K (2x) | 64K (32x) |" in md
+    assert exact[0] == ["polar", "access", "before haystack", "teacher-forced", "50.0", "50.0", "50.0"]
+    assert ["softmax", "access", "before haystack", "teacher-forced", "12.5", "50.0", "50.0"] in exact
+    digit = _cells(md, "per-token accuracy (%) by gap")
+    assert ["softmax", "passkey", "50%", "teacher-forced", "70.0", "70.0", "70.0"] in digit
+    # The same numbers as each model's own results.md (one unit, percent, one decimal).
+    own = _cells((tmp_path / "b" / "results.md").read_text(), "exact 5/5 recall (% of trials) by gap")
+    assert own[0][2:] == exact[len(exact) // 2][4:]
+    assert "| softmax | 8 | 2.9000 | 2.5000 | 2.0000 |" in md  # the length curves
+    for png in ("needle.png", "length_curve.png"):
+        assert (tmp_path / "cmp" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_labels_and_bad_input(tmp_path, capsys):
+    a = _written_results(tmp_path, "a", fake_results("same", 0.0))
+    b = _written_results(tmp_path, "b", fake_results("same", 0.1))
+    out = str(tmp_path / "cmp")
+    assert compare_main([str(a), str(b), "--out", out]) == 2
+    assert "two results are named 'same'" in capsys.readouterr().err
+    assert compare_main([str(a), str(b), "--names", "A,B", "--out", out]) == 0
+    assert "| A | access |" in (tmp_path / "cmp" / "results.md").read_text()
+    assert compare_main([str(a), str(b), "--names", "A", "--out", out]) == 2
+    assert "--names has 1 label(s) for 2 results file(s)" in capsys.readouterr().err
+    assert compare_main([str(tmp_path / "nowhere"), "--out", out]) == 2
+    assert "nowhere: no such file" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert compare_main([str(tmp_path / "bad.json"), "--out", out]) == 2
+    assert "bad.json: not a readable results.json" in capsys.readouterr().err
+    (tmp_path / "empty.json").write_text(json.dumps({"name": "e", "needle": [], "length_curve": None}))
+    assert compare_main([str(tmp_path / "empty.json"), "--out", out]) == 2
+    assert "nothing to compare" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

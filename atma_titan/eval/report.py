@@ -30,6 +30,8 @@ from atma_titan.eval.plots import GENERATED, TEACHER_FORCED, conditions, depth_l
 
 __all__ = [
     "RESULT_UNITS",
+    "gap_header",
+    "markdown_table",
     "needle_markdown",
     "plot_length_curves",
     "plot_needle",
@@ -68,13 +70,13 @@ def percent(fraction: float | None) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def _gap_header(gap: int, train_len: int | None) -> str:
+def gap_header(gap: int, train_len: int | None) -> str:
     """'4K', or '4K (32x)' when the training length is known: how far past it the gap reaches."""
     return size_label(gap) + (f" ({gap / train_len:g}x)" if train_len else "")
 
@@ -115,14 +117,14 @@ def needle_markdown(needle: list[dict], train_len: int | None = None) -> str:
             note = f"CE in nats per {per}; control: the same sequence without the needle"
             header += ["CE (nats)", "control CE (nats)"]
         title = MODE_TITLE.get(mode, mode)
-        columns = ["variant", "depth"] + [_gap_header(g, train_len) for g in gaps]
+        columns = ["variant", "depth"] + [gap_header(g, train_len) for g in gaps]
         sections += [
             f"## Induction needle ({title}): {exact_name} recall (% of trials) by gap",
-            _table(columns, exact_rows),
+            markdown_table(columns, exact_rows),
             f"## Induction needle ({title}): {acc_name} accuracy (% of {unit}s) by gap",
-            _table(columns, digit_rows),
+            markdown_table(columns, digit_rows),
             f"### Every condition ({note})",
-            _table(header, detail),
+            markdown_table(header, detail),
         ]
     return "\n\n".join(sections)
 
@@ -143,7 +145,7 @@ def results_markdown(results: dict) -> str:
         rows = [[size_label(n), f"{v:.4f}"] for n, v in zip(curve["lengths"], curve["nll"])]
         parts += [
             f"## Length curve: mean NLL per token on nested prefixes of {curve['documents']} documents",
-            _table(["length", "NLL (nats/token)"], rows),
+            markdown_table(["length", "NLL (nats/token)"], rows),
         ]
     return "\n\n".join(parts) + "\n"
 
