@@ -74,19 +74,20 @@ def _needle_tables(results_by_name: dict[str, dict], train_len: int | None) -> l
         return []
     gaps = sorted({e["gap"] for _, _, entries in rows for e in entries})
     columns = ["model", "variant", "depth", "mode"] + [gap_header(g, train_len) for g in gaps]
-    sections = []
-    for field, title in (("exact_acc", "exact recall (% of trials)"), ("digit_acc", "per-token accuracy (%)")):
-        table = []
-        for name, (mode, variant, depth), entries in rows:
-            by_gap = {e["gap"]: e for e in entries}
-            table.append(
-                [name, variant, depth_label(depth), MODE_TITLE.get(mode, mode)]
-                + [percent(by_gap[g].get(field)) if g in by_gap else "" for g in gaps]
-            )
-        sections += [f"## Induction needle: {title} by gap", markdown_table(columns, table)]
+    exact_rows, digit_rows = [], []
+    for name, (mode, variant, depth), entries in rows:
+        by_gap = {e["gap"]: e for e in entries}
+        lead = [name, variant, depth_label(depth), MODE_TITLE.get(mode, mode)]
+        exact_rows.append(lead + [percent(by_gap[g].get("exact_acc")) if g in by_gap else "" for g in gaps])
+        digit_rows.append(lead + [percent(by_gap[g]["digit_acc"]) if g in by_gap else "" for g in gaps])
     trials = sorted({e["trials"] for _, _, entries in rows for e in entries})
-    sections.append(f"Trials per gap and condition: {', '.join(map(str, trials))}.")
-    return sections
+    return [
+        "## Induction needle: exact recall (% of trials) by gap",
+        markdown_table(columns, exact_rows),
+        "## Induction needle: per-token accuracy (%) by gap",
+        markdown_table(columns, digit_rows),
+        f"Trials per gap and condition: {', '.join(map(str, trials))}.",
+    ]
 
 
 def _length_table(results_by_name: dict[str, dict]) -> list[str]:
