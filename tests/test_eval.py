@@ -504,6 +504,8 @@ def test_compare_labels_and_bad_input(tmp_path, capsys):
     assert "| A | access |" in (tmp_path / "cmp" / "results.md").read_text()
     assert compare_main([str(a), str(b), "--names", "A", "--out", out]) == 2
     assert "--names has 1 label(s) for 2 results file(s)" in capsys.readouterr().err
+    assert compare_main([str(a), str(b), "--names", "A,", "--out", out]) == 2
+    assert "--names 'A,' has an empty label" in capsys.readouterr().err
     assert compare_main([str(tmp_path / "nowhere"), "--out", out]) == 2
     assert "nowhere: no such file" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{not json")

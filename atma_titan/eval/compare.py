@@ -38,6 +38,8 @@ def load_results(paths: list[str], names: list[str] | None = None) -> dict[str, 
     """{label: results dict} in the order given; labels from `names` or each file's own `name`."""
     if names is not None and len(names) != len(paths):
         raise EvalInputError(f"--names has {len(names)} label(s) for {len(paths)} results file(s); give one each")
+    if names is not None and not all(names):
+        raise EvalInputError(f"--names {','.join(names)!r} has an empty label; give each results file a name")
     loaded: dict[str, dict] = {}
     for i, given in enumerate(paths):
         path = Path(given)
