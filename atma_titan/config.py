@@ -86,7 +86,9 @@ class Training:
         "logits) or plain (fp32 logits, then cross-entropy).",
         ("fused", "plain"),
     )
-    loss_chunk_mib: float = opt(256.0, "loss = fused: fp32 logits per chunk of tokens, in MiB.")
+    loss_chunk_mib: float = opt(
+        1024.0, "loss = fused: fp32 logits per chunk of tokens, in MiB (larger chunks are faster; 1024: 5,336 tokens)."
+    )
 
 
 @dataclass

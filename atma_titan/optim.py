@@ -41,12 +41,30 @@ def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.
     return x.mT if tall else x
 
 
+# Matrices at most this small (short side, long side) are launch-bound: each Newton-Schulz product takes
+# a kernel launch whatever its size. They are zero-padded to this one shape and share a batch (below).
+SMALL_MATRIX = (32, 1024)
+
+
+def batch_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The (short, long) shape a (rows, cols) matrix is orthogonalised at in orthogonalize_all(): its own,
+    turned wide, or SMALL_MATRIX for one that fits in it.
+
+    Zero rows and columns leave the others' Newton-Schulz result as it is (the Gram matrix gains zero rows
+    and columns, every product keeps them zero), so a padded matrix is cut back to its own result."""
+    short, long = sorted(shape[-2:])
+    if short <= SMALL_MATRIX[0] and long <= SMALL_MATRIX[1]:
+        return SMALL_MATRIX
+    return short, long
+
+
 def orthogonalize_all(
     updates: list[torch.Tensor], steps: int, eps: float, dtype: torch.dtype = torch.bfloat16
 ) -> list[torch.Tensor]:
-    """orthogonalize() of every matrix, stacking those of one shape into one batched product: a model
-    has a few shapes repeated over its blocks, so a step launches a few dozen kernels, not thousands.
-    The results come in `dtype`, cast once per batch rather than once per matrix.
+    """orthogonalize() of every matrix, stacking those of one batch_shape() into one batched product: a model
+    has a few shapes repeated over its blocks (a tall matrix is batched turned wide, beside the wide ones of
+    its transposed shape; the small ones all together), so a step launches a few dozen kernels, not thousands.
+    The results come in `dtype`.
 
     Every matrix goes through the batched (3-D) products, a lone one as a batch of one, so the kernels a
     matrix meets do not depend on which other matrices share its batch, and each batch entry is its own
@@ -54,17 +72,23 @@ def orthogonalize_all(
     sharded Muon batches other matrices than a single process does and so gets the same bits. A GPU BLAS
     may pick another algorithm for another batch count; `benchmarks/muon_ownership.py --batch-invariance`
     checks that on the device."""
-    by_shape: dict[torch.Size, list[int]] = {}
+    by_shape: dict[tuple[int, int], list[int]] = {}
     for i, u in enumerate(updates):
-        by_shape.setdefault(u.shape, []).append(i)
+        by_shape.setdefault(batch_shape(u.shape), []).append(i)
     out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
-    for shape, indices in by_shape.items():
-        per_batch = max(1, MAX_BATCH_ELEMENTS // shape.numel())  # bounds the stacked copies' memory
+    for (short, long), indices in by_shape.items():
+        per_batch = max(1, MAX_BATCH_ELEMENTS // (short * long))  # bounds the stacked copies' memory
         for first in range(0, len(indices), per_batch):
             chunk = indices[first : first + per_batch]
-            done = orthogonalize(torch.stack([updates[i] for i in chunk]), steps, eps).to(dtype)
-            for i, x in zip(chunk, done.unbind(0)):
-                out[i] = x
+            wide = [updates[i].mT if updates[i].size(-2) > updates[i].size(-1) else updates[i] for i in chunk]
+            # One bf16 batch, turned wide (a contiguous copy: the products then read no transposed operand)
+            # and zero-padded where the shape is smaller than the batch's; the cast is the copy's.
+            batch = updates[chunk[0]].new_zeros((len(chunk), short, long), dtype=torch.bfloat16)
+            torch._foreach_copy_([b[: w.size(0), : w.size(1)] for b, w in zip(batch.unbind(0), wide)], wide)
+            done = orthogonalize(batch, steps, eps).to(dtype)
+            for i, w, x in zip(chunk, wide, done.unbind(0)):
+                x = x[: w.size(0), : w.size(1)]
+                out[i] = x.mT if w is not updates[i] else x
     return out
 
 

@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, help="vocabulary (default 50,304; --cpu: 1000)")
     parser.add_argument("--cap", type=float, default=15.0, help="logit soft-cap c (ATMA's default 15)")
     parser.add_argument(
-        "--chunk-mib", help="fused: fp32 logits per chunk in MiB, a list (default 256,64,1024; --cpu: 0.1,0.025,0.4)"
+        "--chunk-mib", help="fused: fp32 logits per chunk in MiB, a list (default 1024,256,64; --cpu: 0.4,0.1,0.025)"
     )
     parser.add_argument("--runs", type=int, default=10, help="timed runs per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (compilation, autotuning)")
@@ -194,7 +194,7 @@ def main() -> None:
     for key in shape:
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
-    default_chunks = "0.1,0.025,0.4" if device.type == "cpu" else "256,64,1024"  # several chunks at either shape
+    default_chunks = "0.4,0.1,0.025" if device.type == "cpu" else "1024,256,64"  # several chunks at either shape
     chunk_mibs = [float(m) for m in (args.chunk_mib or default_chunks).split(",")]
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # as train.py

@@ -15,6 +15,7 @@ from atma_titan.models.atma import SoftcapHead
 from atma_titan.models.loss import (
     IGNORE_INDEX,
     LossTargets,
+    add_product_,
     chunk_tokens_for,
     linear_softcap_cross_entropy,
     softcap,
@@ -276,3 +277,23 @@ def test_fsdp_two_ranks_train_with_the_fused_loss_as_one_process_with_the_plain_
     assert list(two) == list(one) == [1, 2, 3]
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-4), step
+
+
+def test_add_product_adds_in_place_where_the_matmul_cannot_accumulate():
+    acc, a, b = torch.randn(5, 3), torch.randn(5, 4), torch.randn(4, 3)
+    expected = acc + a @ b
+    assert add_product_(acc, a, b) is acc
+    torch.testing.assert_close(acc, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_add_product_accumulates_bf16_products_in_fp32_in_the_matmul():
+    """The weight gradient's sum over chunks: in the matmul's fp32 epilogue, not rounded to bf16 per chunk."""
+    torch.manual_seed(0)
+    acc = torch.randn(256, 128, device="cuda")
+    a, b = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in [(256, 512), (512, 128)])
+    exact = acc.double() + a.double() @ b.double()
+    got = add_product_(acc.clone(), a, b)
+    rounded = acc + (a @ b).float()  # the per-chunk bf16 product the epilogue avoids
+    assert got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() < 0.5 * (rounded.double() - exact).abs().max()

@@ -70,7 +70,7 @@ def test_muon_batches_matrices_of_one_shape_and_matches_torch_muon(monkeypatch):
     real = optim.orthogonalize
     monkeypatch.setattr(optim, "orthogonalize", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
     torch.manual_seed(0)
-    weights = [torch.randn(24, 16) for _ in range(5)] + [torch.randn(16, 24) for _ in range(2)] + [torch.randn(8, 3)]
+    weights = [torch.randn(48, 40) for _ in range(5)] + [torch.randn(40, 48) for _ in range(2)] + [torch.randn(8, 3)]
     ours = [w.clone().requires_grad_() for w in weights]
     ref = [w.clone().requires_grad_() for w in weights]
     opt_ours = optim.Muon(ours, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
@@ -81,9 +81,26 @@ def test_muon_batches_matrices_of_one_shape_and_matches_torch_muon(monkeypatch):
             q.grad = p.grad.clone()
         opt_ours.step()
         opt_ref.step()
-    assert calls[:3] == [(5, 24, 16), (2, 16, 24), (1, 8, 3)]  # one Newton-Schulz per shape, a lone matrix too
+    # One Newton-Schulz per shape, a tall one turned wide beside the wide ones, a lone small matrix padded.
+    assert calls[:2] == [(7, 40, 48), (1, *optim.SMALL_MATRIX)]
     for p, q in zip(ours, ref):  # bf16 Newton-Schulz: batched and one-by-one products round alike but not bit-equal
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
+
+
+def test_small_matrices_share_one_zero_padded_batch_and_keep_their_own_results(monkeypatch):
+    """Launch-bound small matrices (conv kernels, gate rows) are padded to one shape: one Newton-Schulz for all."""
+    from atma_titan import optim
+
+    calls = []
+    real = optim.orthogonalize
+    monkeypatch.setattr(optim, "orthogonalize", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    torch.manual_seed(0)
+    updates = [torch.randn(8, 3), torch.randn(3, 8), torch.randn(20, 100), torch.randn(1, 5), torch.randn(64, 40)]
+    done = optim.orthogonalize_all(updates, 5, 1e-7)
+    assert calls == [(4, *optim.SMALL_MATRIX), (1, 40, 64)]
+    for u, x in zip(updates, done):
+        assert x.shape == u.shape
+        torch.testing.assert_close(x.float(), real(u, 5).float(), atol=1e-2, rtol=0)
 
 
 def test_orthogonalize_all_caps_the_stacked_memory(monkeypatch):
