@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from atma_titan.errors import ConfigError
 from atma_titan.models.flavors import FLAVORS, ModelArgs, config_fields, resolve_model_args
+from atma_titan.models.loss import DEFAULT_CHUNK_MIB
 from atma_titan.redact import redact_config
 
 if sys.version_info >= (3, 11):
@@ -87,7 +88,7 @@ class Training:
         ("fused", "plain"),
     )
     loss_chunk_mib: float = opt(
-        1024.0, "loss = fused: fp32 logits per chunk of tokens, in MiB (larger chunks are faster; 1024: 5,336 tokens)."
+        DEFAULT_CHUNK_MIB, "loss = fused: fp32 logits per chunk of tokens, in MiB (larger chunks are faster)."
     )
 
 

@@ -80,15 +80,18 @@ def orthogonalize_all(
         per_batch = max(1, MAX_BATCH_ELEMENTS // (short * long))  # bounds the stacked copies' memory
         for first in range(0, len(indices), per_batch):
             chunk = indices[first : first + per_batch]
-            wide = [updates[i].mT if updates[i].size(-2) > updates[i].size(-1) else updates[i] for i in chunk]
+            tall = [updates[i].size(-2) > updates[i].size(-1) for i in chunk]
+            wide = [updates[i].mT if t else updates[i] for i, t in zip(chunk, tall)]
             # One bf16 batch, turned wide (a contiguous copy: the products then read no transposed operand)
-            # and zero-padded where the shape is smaller than the batch's; the cast is the copy's.
-            batch = updates[chunk[0]].new_zeros((len(chunk), short, long), dtype=torch.bfloat16)
+            # and zero-padded where a matrix is smaller than the batch's shape; the cast is the copy's.
+            padded = any(w.shape != (short, long) for w in wide)
+            make = torch.zeros if padded else torch.empty  # no memset of a batch the copy fills
+            batch = make((len(chunk), short, long), dtype=torch.bfloat16, device=wide[0].device)
             torch._foreach_copy_([b[: w.size(0), : w.size(1)] for b, w in zip(batch.unbind(0), wide)], wide)
             done = orthogonalize(batch, steps, eps).to(dtype)
-            for i, w, x in zip(chunk, wide, done.unbind(0)):
+            for i, t, w, x in zip(chunk, tall, wide, done.unbind(0)):
                 x = x[: w.size(0), : w.size(1)]
-                out[i] = x.mT if w is not updates[i] else x
+                out[i] = x.mT if t else x
     return out
 
 
