@@ -27,18 +27,20 @@ MAX_BATCH_ELEMENTS = 1 << 28  # matrices stacked into one Newton-Schulz batch: a
 def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
     """Newton-Schulz approximation of U V^T for update = U S V^T, in bf16 (torch.optim.Muon's recipe).
 
-    `update` is one matrix (rows, cols) or a stack of them (n, rows, cols), each orthogonalised on its own."""
+    `update` is one matrix (rows, cols) or a stack of them (n, rows, cols), each orthogonalised on its own.
+    The iteration runs on the short side's Gram matrix. A tall matrix is worked on as it lies: its Gram
+    matrix is x^T x and the polynomial multiplies x from the right (x^T's iteration, transposed), so the
+    products read no transposed copy and the result comes out in the input's layout."""
     a, b, c = NS_COEFFICIENTS
     x = update.bfloat16()
-    tall = update.size(-2) > update.size(-1)
-    if tall:
-        x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    tall = x.size(-2) > x.size(-1)
     fused = torch.baddbmm if x.dim() == 3 else torch.addmm  # input * beta + alpha * (m1 @ m2)
     for _ in range(steps):
-        gram = x @ x.mT
-        x = fused(x, fused(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
+        gram = x.mT @ x if tall else x @ x.mT
+        poly = fused(gram, gram, gram, beta=b, alpha=c)  # symmetric: x^T's left product is x's right one
+        x = fused(x, x, poly, beta=a) if tall else fused(x, poly, x, beta=a)
+    return x
 
 
 # Matrices at most this small (short side, long side) are launch-bound: each Newton-Schulz product takes
@@ -47,24 +49,25 @@ SMALL_MATRIX = (32, 1024)
 
 
 def batch_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The (short, long) shape a (rows, cols) matrix is orthogonalised at in orthogonalize_all(): its own,
-    turned wide, or SMALL_MATRIX for one that fits in it.
+    """The (rows, cols) shape a matrix is orthogonalised at in orthogonalize_all(): its own, or, for a small
+    one, SMALL_MATRIX (wide) with the matrix turned wide in its corner.
 
     Zero rows and columns leave the others' Newton-Schulz result as it is (the Gram matrix gains zero rows
     and columns, every product keeps them zero), so a padded matrix is cut back to its own result."""
-    short, long = sorted(shape[-2:])
-    if short <= SMALL_MATRIX[0] and long <= SMALL_MATRIX[1]:
+    rows, cols = shape[-2:]
+    if min(rows, cols) <= SMALL_MATRIX[0] and max(rows, cols) <= SMALL_MATRIX[1]:
         return SMALL_MATRIX
-    return short, long
+    return rows, cols
 
 
-def orthogonalize_all(
-    updates: list[torch.Tensor], steps: int, eps: float, dtype: torch.dtype = torch.bfloat16
-) -> list[torch.Tensor]:
-    """orthogonalize() of every matrix, stacking those of one batch_shape() into one batched product: a model
-    has a few shapes repeated over its blocks (a tall matrix is batched turned wide, beside the wide ones of
-    its transposed shape; the small ones all together), so a step launches a few dozen kernels, not thousands.
-    The results come in `dtype`.
+def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> list[torch.Tensor]:
+    """orthogonalize() of every matrix, in bf16, stacking those of one batch_shape() into one batched
+    product: a model has a few shapes repeated over its blocks (the small ones all together), so a step
+    launches a few dozen kernels, not thousands. Each result is a bf16 tensor of its update's shape, laid
+    out as a contiguous matrix except for a small one's (a view into its padded batch).
+
+    The batch is filled by a plain cast copy in each matrix's own layout (a tall one is not turned: see
+    orthogonalize()): a transposing copy of the large tall matrices cost more than their products' launch.
 
     Every matrix goes through the batched (3-D) products, a lone one as a batch of one, so the kernels a
     matrix meets do not depend on which other matrices share its batch, and each batch entry is its own
@@ -76,21 +79,20 @@ def orthogonalize_all(
     for i, u in enumerate(updates):
         by_shape.setdefault(batch_shape(u.shape), []).append(i)
     out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
-    for (short, long), indices in by_shape.items():
-        per_batch = max(1, MAX_BATCH_ELEMENTS // (short * long))  # bounds the stacked copies' memory
+    for (rows, cols), indices in by_shape.items():
+        per_batch = max(1, MAX_BATCH_ELEMENTS // (rows * cols))  # bounds the stacked copies' memory
         for first in range(0, len(indices), per_batch):
             chunk = indices[first : first + per_batch]
-            tall = [updates[i].size(-2) > updates[i].size(-1) for i in chunk]
-            wide = [updates[i].mT if t else updates[i] for i, t in zip(chunk, tall)]
-            # One bf16 batch, turned wide (a contiguous copy: the products then read no transposed operand)
-            # and zero-padded where a matrix is smaller than the batch's shape; the cast is the copy's.
-            padded = any(w.shape != (short, long) for w in wide)
+            # Only a small matrix is turned (to fit the wide SMALL_MATRIX) or padded; zeros only then.
+            turned = [updates[i].size(-2) > updates[i].size(-1) and (rows, cols) == SMALL_MATRIX for i in chunk]
+            fitted = [updates[i].mT if t else updates[i] for i, t in zip(chunk, turned)]
+            padded = any(f.shape != (rows, cols) for f in fitted)
             make = torch.zeros if padded else torch.empty  # no memset of a batch the copy fills
-            batch = make((len(chunk), short, long), dtype=torch.bfloat16, device=wide[0].device)
-            torch._foreach_copy_([b[: w.size(0), : w.size(1)] for b, w in zip(batch.unbind(0), wide)], wide)
-            done = orthogonalize(batch, steps, eps).to(dtype)
-            for i, t, w, x in zip(chunk, tall, wide, done.unbind(0)):
-                x = x[: w.size(0), : w.size(1)]
+            batch = make((len(chunk), rows, cols), dtype=torch.bfloat16, device=fitted[0].device)
+            torch._foreach_copy_([b[: f.size(0), : f.size(1)] for b, f in zip(batch.unbind(0), fitted)], fitted)
+            done = orthogonalize(batch, steps, eps)
+            for i, t, f, x in zip(chunk, turned, fitted, done.unbind(0)):
+                x = x[: f.size(0), : f.size(1)]
                 out[i] = x.mT if t else x
     return out
 
@@ -214,11 +216,9 @@ class ShardExchange:
             for j, i in enumerate(mine)
         ]
 
-    def scatter_back(
-        self, orthogonal: list[torch.Tensor], group, device: torch.device, dtype: torch.dtype = torch.bfloat16
-    ) -> list[torch.Tensor]:
+    def scatter_back(self, orthogonal: list[torch.Tensor], group, device: torch.device) -> list[torch.Tensor]:
         """Second all-to-all: each owner sends every rank its bf16 rows of the orthogonalised matrices;
-        returns this rank's slice of every matrix in `dtype`, in parameter order."""
+        returns this rank's bf16 slice of every matrix, in parameter order."""
         mine = self.by_owner[self.rank]
         pieces = []
         for k in range(len(self.from_ranks)):
@@ -229,7 +229,6 @@ class ShardExchange:
         send = torch.cat(pieces).bfloat16() if pieces else torch.empty(0, dtype=torch.bfloat16, device=device)
         recv = torch.empty(sum(self.to_owner), dtype=torch.bfloat16, device=device)
         dist.all_to_all_single(recv, send, list(self.to_owner), list(self.from_ranks), group=group)
-        recv = recv.to(dtype)  # one cast for all matrices
         sizes = [self.rows[i][self.rank] * self.cols[i] for owned in self.by_owner for i in owned]
         order = [i for owned in self.by_owner for i in owned]
         out: list[torch.Tensor] = [None] * len(self.owners)  # type: ignore[list-item]
@@ -268,10 +267,8 @@ class Muon(torch.optim.Muon):
             self._exchanges[key] = ShardExchange.plan(shapes, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim), steps)
         return self._exchanges[key]
 
-    def _orthogonalize(
-        self, updates: list[torch.Tensor], steps: int, eps: float, dtype: torch.dtype
-    ) -> list[torch.Tensor]:
-        """Each update's orthogonalised rows on this rank, as a plain `dtype` tensor (the whole matrix when
+    def _orthogonalize(self, updates: list[torch.Tensor], steps: int, eps: float) -> list[torch.Tensor]:
+        """Each update's orthogonalised rows on this rank, as a plain bf16 tensor (the whole matrix when
         unsharded)."""
         whole: list[int] = []  # orthogonalised whole here: plain, single-rank and all-gathered updates
         gathered: set[int] = set()
@@ -294,7 +291,7 @@ class Muon(torch.optim.Muon):
             owned = plan.gather_owned([updates[i].to_local() for i in members], mesh.get_group(dim))
             exchanges.append((members, plan, mesh.get_group(dim), len(owned)))
             inputs += owned
-        done = orthogonalize_all(inputs, steps, eps, dtype)  # one batched pass over this rank's whole matrices
+        done = orthogonalize_all(inputs, steps, eps)  # one batched pass over this rank's whole matrices
         out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
         for i, f in zip(whole, done):
             if i in gathered:  # every rank holds `f`: slicing needs no communication
@@ -303,7 +300,7 @@ class Muon(torch.optim.Muon):
         first = len(whole)
         for members, plan, group, n_owned in exchanges:
             device = updates[members[0]].device
-            for i, rows in zip(members, plan.scatter_back(done[first : first + n_owned], group, device, dtype)):
+            for i, rows in zip(members, plan.scatter_back(done[first : first + n_owned], group, device)):
                 out[i] = rows
             first += n_owned
         return out
@@ -329,9 +326,10 @@ class Muon(torch.optim.Muon):
             if group["nesterov"]:
                 torch._foreach_lerp_(local_grads, local_bufs, momentum)  # in the gradients: zeroed after the step
             updates = grads if group["nesterov"] else bufs
-            orthogonal = self._orthogonalize(updates, group["ns_steps"], group["eps"], params[0].dtype)
-            # In place on each parameter's own shard, a few foreach launches for all of them (the update's
-            # scale depends on the matrix's aspect ratio: one add per distinct scale).
+            orthogonal = self._orthogonalize(updates, group["ns_steps"], group["eps"])
+            # In place on each parameter's own shard: one foreach decay for all of them, then the bf16 update
+            # added to the fp32 shard as torch.optim.Muon's param.add_ does (promoted inside the add, no fp32
+            # copy of the updates; the scale depends on the matrix's aspect ratio: one call per distinct scale).
             mine = local_tensors(params)
             torch._foreach_mul_(mine, 1 - lr * wd)
             by_scale: dict[float, list[int]] = {}

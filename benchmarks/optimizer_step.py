@@ -5,7 +5,11 @@ momentum) against torch.optim.Muon (one matrix at a time), same parameters and g
 
 The matrices are the ones train.py gives Muon (atma_titan.optim.split_parameters), in fp32 on the
 GPU (CPU without one) with random gradients. Times are medians of CUDA-synchronised wall times of
-whole steps, so the launch overhead that dominates a per-matrix loop is included.
+whole steps, so the launch overhead that dominates a per-matrix loop is included. On a GPU two more
+columns split that time: `gpu_ms`, the device time of a step queued behind a long sleep kernel (the
+host's launches hide behind it), and `host_ms`, how long the host takes to queue the step. In a
+training step the host queues the optimizer right after the step's one sync, so whichever is longer
+sets its share of the step.
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ def block_matrices(flavor: str) -> list[torch.Size]:
     return [p.shape for p in split_parameters(model)["matrix"]]
 
 
+SLEEP_CYCLES = 400_000_000  # ~0.2 s of GPU clock: longer than any optimizer's host side here
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def time_steps(optimizer_cls, shapes, device, steps: int) -> float:
+def time_steps(optimizer_cls, shapes, device, steps: int) -> dict[str, float]:
+    """Median ms of a synchronised step; on a GPU also of its device time and of the host's queueing."""
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in shapes]
     for p in params:
@@ -47,7 +55,21 @@ def time_steps(optimizer_cls, shapes, device, steps: int) -> float:
         opt.step()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[2:])
+    result = {"step_ms": 1000 * statistics.median(times[2:])}
+    if device.type == "cuda":
+        device_ms, host_ms = [], []
+        for _ in range(steps):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the GPU is busy while the host queues the step
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            start = time.perf_counter()
+            opt.step()
+            host_ms.append(1000 * (time.perf_counter() - start))
+            end.record()
+            torch.cuda.synchronize()
+            device_ms.append(begin.elapsed_time(end))
+        result |= {"gpu_ms": statistics.median(device_ms), "host_ms": statistics.median(host_ms)}
+    return result
 
 
 def main() -> None:
@@ -61,9 +83,11 @@ def main() -> None:
     print(f"{args.flavor}: {len(shapes)} block matrices, {len(set(shapes))} shapes, on {device}", flush=True)
     rows = []
     for name, cls in (("torch.optim.Muon", torch.optim.Muon), ("atma_titan Muon", Muon)):
-        ms = time_steps(cls, shapes, device, args.steps)
-        rows.append({"optimizer": name, "step_ms": ms})
-        print(f"{name:<18} {ms:9.2f} ms/step  {rows[0]['step_ms'] / ms:6.2f}x", flush=True)
+        row = {"optimizer": name, **time_steps(cls, shapes, device, args.steps)}
+        rows.append(row)
+        split = f"  (GPU {row['gpu_ms']:.2f} ms, host {row['host_ms']:.2f} ms)" if "gpu_ms" in row else ""
+        speedup = rows[0]["step_ms"] / row["step_ms"]
+        print(f"{name:<18} {row['step_ms']:9.2f} ms/step  {speedup:6.2f}x{split}", flush=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower() if device.type == "cuda" else "cpu"
     path = Path(args.out) / f"optimizer_step-{gpu}-{args.flavor}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -81,8 +81,8 @@ def test_muon_batches_matrices_of_one_shape_and_matches_torch_muon(monkeypatch):
             q.grad = p.grad.clone()
         opt_ours.step()
         opt_ref.step()
-    # One Newton-Schulz per shape, a tall one turned wide beside the wide ones, a lone small matrix padded.
-    assert calls[:2] == [(7, 40, 48), (1, *optim.SMALL_MATRIX)]
+    # One Newton-Schulz per shape, each matrix as it lies (tall ones are not turned), a lone small matrix padded.
+    assert calls[:3] == [(5, 48, 40), (2, 40, 48), (1, *optim.SMALL_MATRIX)]
     for p, q in zip(ours, ref):  # bf16 Newton-Schulz: batched and one-by-one products round alike but not bit-equal
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
 
@@ -97,10 +97,32 @@ def test_small_matrices_share_one_zero_padded_batch_and_keep_their_own_results(m
     torch.manual_seed(0)
     updates = [torch.randn(8, 3), torch.randn(3, 8), torch.randn(20, 100), torch.randn(1, 5), torch.randn(64, 40)]
     done = optim.orthogonalize_all(updates, 5, 1e-7)
-    assert calls == [(4, *optim.SMALL_MATRIX), (1, 40, 64)]
+    assert calls == [(4, *optim.SMALL_MATRIX), (1, 64, 40)]
     for u, x in zip(updates, done):
         assert x.shape == u.shape
         torch.testing.assert_close(x.float(), real(u, 5).float(), atol=1e-2, rtol=0)
+
+
+def test_tall_matrices_are_orthogonalized_as_they_lie_and_come_back_contiguous_bf16(monkeypatch):
+    """A transposing copy of the large tall matrices (8192 x 1024 MLP inputs) in and out of the batch cost more
+    GPU time than their products: a tall matrix is iterated on x^T x from the right instead, and its result is a
+    contiguous bf16 matrix the parameter's own shape (added to the fp32 shard without another cast)."""
+    from atma_titan import optim
+
+    torch.manual_seed(0)
+    copied = []
+    real_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: copied.extend(src) or real_copy(dst, src))
+    tall, wide = torch.randn(3, 96, 40), torch.randn(40, 96)
+    done = optim.orthogonalize_all([*tall, wide], 5, 1e-7)
+    assert all(src.is_contiguous() for src in copied)  # no transposed view is copied into a batch
+    for u, x in zip([*tall, wide], done):
+        assert x.shape == u.shape and x.dtype == torch.bfloat16 and x.is_contiguous()
+    # The same map as the wide iteration on the transpose (bf16 products: close, not bit-equal).
+    for u, x in zip(tall, done):
+        torch.testing.assert_close(x.float(), optim.orthogonalize(u.T.contiguous(), 5).T.float(), atol=2e-2, rtol=0)
+        singular = torch.linalg.svdvals(x.double())
+        assert 0.6 < singular.min() and singular.max() < 1.3  # Newton-Schulz's band around 1
 
 
 def test_orthogonalize_all_caps_the_stacked_memory(monkeypatch):
