@@ -66,8 +66,9 @@ def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> li
     launches a few dozen kernels, not thousands. Each result is a bf16 tensor of its update's shape, laid
     out as a contiguous matrix except for a small one's (a view into its padded batch).
 
-    The batch is filled by a plain cast copy in each matrix's own layout (a tall one is not turned: see
-    orthogonalize()): a transposing copy of the large tall matrices cost more than their products' launch.
+    The batch is filled by one multi-tensor cast copy in each matrix's own layout (a tall one is not turned:
+    see orthogonalize()); transposing copies of the large tall matrices, in and out, were slow strided
+    kernels on the GPU.
 
     Every matrix goes through the batched (3-D) products, a lone one as a batch of one, so the kernels a
     matrix meets do not depend on which other matrices share its batch, and each batch entry is its own
