@@ -85,7 +85,8 @@ def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> li
         for first in range(0, len(indices), per_batch):
             chunk = indices[first : first + per_batch]
             # Only a small matrix is turned (to fit the wide SMALL_MATRIX) or padded; zeros only then.
-            turned = [updates[i].size(-2) > updates[i].size(-1) and (rows, cols) == SMALL_MATRIX for i in chunk]
+            small = (rows, cols) == SMALL_MATRIX
+            turned = [small and updates[i].size(-2) > updates[i].size(-1) for i in chunk]
             fitted = [updates[i].mT if t else updates[i] for i, t in zip(chunk, turned)]
             padded = any(f.shape != (rows, cols) for f in fitted)
             make = torch.zeros if padded else torch.empty  # no memset of a batch the copy fills
