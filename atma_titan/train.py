@@ -64,6 +64,7 @@ from atma_titan.parallel import (
     destroy_distributed,
     init_distributed,
     parallelize,
+    set_micro_batch,
     total_norm,
 )
 from atma_titan.preemption import LauncherWatch, StopRequest
@@ -549,8 +550,8 @@ def train_step(run: Run) -> StepStats:
     chunks = dict(chunk_mib=cfg.loss_chunk_mib, compile_backend=cfg.compile_backend if cfg.compile else None)
     for micro in range(plan.accum):
         inputs, labels, *weights = (t.to(device, non_blocking=True) for t in next(run.batches))
-        if dims.distributed:  # reduce-scatter gradients once, after the last micro-batch
-            run.model.set_requires_gradient_sync(micro == plan.accum - 1)
+        if dims.distributed:  # reduce-scatter gradients and free the gathered parameters after the last one
+            set_micro_batch(run.model, last=micro == plan.accum - 1)
         targets = LossTargets(labels, *weights, **chunks) if fused else None
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.use_autocast):
             out, aux = run.model(inputs, return_aux=True, targets=targets)

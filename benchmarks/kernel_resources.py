@@ -3,17 +3,18 @@
     python benchmarks/kernel_resources.py [--flavor atma_370m] [--seq-len 2048] [--archs 80,89,90]
                                           [--jobs 2] [--out benchmarks/results/kernel_resources.json]
 
-Needs no GPU. The host launchers of the Polar attention (forward, backward, paged decode) and gated
-delta memory (chunked forward / backward, decode step) kernels are called at the flavor's shapes with
-tensors on the meta device (bf16 activations, fp32 gates and states, as the model passes them) and
-their launches recorded instead of run; every config of each kernel's list (the autotune list, the
-decode tile candidates, or the one fixed config) is then compiled ahead of time for each compute
-capability (`atma_titan.kernels.resources`): shared memory per block from the compiler, registers and
-spill stack bytes per thread from the cubin. A config fits a target when its shared memory is within
-the target's opt-in limit per block (sm_80 166,912 B, sm_89 101,376 B, sm_90 232,448 B) and its
-registers within 64K per block. The ATMA_TRITON_AUTOTUNE=0 choice on a target is the first config of
-the list that fits it (what the launch-time pruning runs there). Prints one line per config and a
-summary per kernel, and writes the JSON (Triton version, shapes, limits, every config's numbers).
+Needs no GPU. The host launchers of the Polar attention (forward, backward, paged decode), gated
+delta memory (chunked forward / backward, decode step) and LM-head cross-entropy kernels are called at
+the flavor's shapes with tensors on the meta device (bf16 activations, fp32 gates and states, as the
+model passes them) and their launches recorded instead of run; every config of each kernel's list
+(the autotune list, the decode tile candidates, or the one fixed config) is then compiled ahead of time
+for each compute capability (`atma_titan.kernels.resources`): shared memory per block from the
+compiler, registers and spill stack bytes per thread from the cubin. A config fits a target when its
+shared memory is within the target's opt-in limit per block (sm_80 166,912 B, sm_89 101,376 B, sm_90
+232,448 B) and its registers within 64K per block. The ATMA_TRITON_AUTOTUNE=0 choice on a target is
+the first config of the list that fits it (what the launch-time pruning runs there). Prints one line
+per config and a summary per kernel, and writes the JSON (Triton version, shapes, limits, every
+config's numbers).
 """
 
 from __future__ import annotations
@@ -181,10 +182,33 @@ def gated_delta_cases(shapes: dict, seq_len: int) -> list[Case]:
     return cases
 
 
+def softcap_ce_cases(flavor: str) -> list[Case]:
+    """The LM head's cross-entropy kernels on one default chunk of bf16 logits (models/loss.py)."""
+    from atma_titan.kernels.softcap_ce import triton_ce
+    from atma_titan.models.flavors import FLAVORS
+    from atma_titan.models.loss import DEFAULT_CHUNK_MIB, chunk_tokens_for
+
+    vocab = FLAVORS[flavor].vocab_size
+    rows = chunk_tokens_for(vocab, DEFAULT_CHUNK_MIB)
+    logits, targets = _meta(rows, vocab), _meta(rows, dtype=torch.int64)
+    lse, scale = _meta(rows, dtype=torch.float32), _meta(rows, dtype=torch.float32)
+    with resources.recorded_launches(triton_ce, ["_ce_rows_kernel", "_ce_grad_kernel"]) as launches:
+        triton_ce.softcap_ce_forward(logits, targets, scale, 15.0)
+        triton_ce.softcap_ce_backward_(logits, lse, targets, scale, 15.0, bias_grad=True)
+    note = f"{rows} tokens x vocab {vocab:,} (one {DEFAULT_CHUNK_MIB:g} MiB chunk)"
+    return [Case("softcap_ce." + launch.name.removeprefix("_ce_").removesuffix("_kernel"), _tuned_rows(launch), note)
+            for launch in launches]  # fmt: skip
+
+
 def model_cases(flavor: str = "atma_370m", seq_len: int = 2048) -> list[Case]:
     """Every kernel the flavor's model launches (training, prefill and decode), at its shapes."""
     shapes = model_shapes(flavor)
-    return [*polar_cases(shapes, seq_len), *decode_cases(shapes), *gated_delta_cases(shapes, seq_len)]
+    return [
+        *polar_cases(shapes, seq_len),
+        *decode_cases(shapes),
+        *gated_delta_cases(shapes, seq_len),
+        *softcap_ce_cases(flavor),
+    ]
 
 
 # ----------------------------------------------------------------------------------------------

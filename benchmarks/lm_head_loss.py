@@ -10,9 +10,11 @@ FSDP2 with param_dtype bf16):
 - plain: the trainer's training.loss = "plain" with training.compile = true: the compiled SoftcapHead
   (fp32 logits, ATMA's algebraic cap c z / sqrt(z^2 + c^2)), then the compiled summed cross-entropy;
 - plain eager: the same uncompiled;
-- fused eager / fused compiled: atma_titan.models.loss through SoftcapHead(x, LossTargets), eager at
-  each --chunk-mib; compiled at the first as training.compile = true runs it (the head compiled with
-  fullgraph as apply_compile does, and the chunk math compiled with the same backend);
+- fused triton: atma_titan.models.loss through SoftcapHead(x, LossTargets) with the cross-entropy kernel
+  (model.loss_impl = "auto" on a GPU, what the trainer runs), at each --chunk-mib (GPU only);
+- fused eager / fused compiled: the same with model.loss_impl = "reference" (the chunk math in PyTorch),
+  eager at each --chunk-mib; compiled at the first as training.compile = true runs it (the head compiled
+  with fullgraph as apply_compile does, and the chunk math compiled with the same backend);
 - liger / cut-cross-entropy, when importable (skipped with a note otherwise): their fused linear
   cross-entropy with their own cap, tanh (Gemma-style, c tanh(z / c)), which is not ATMA's; speed
   peers only, not drop-in replacements.
@@ -75,7 +77,9 @@ class Problem:
         torch.manual_seed(0)
         b, t, d, v = shape["batch"], shape["seq"], shape["d_model"], shape["vocab"]
         self.device, self.cap = device, cap
-        self.head = SoftcapHead(d, v, cap).to(device=device, dtype=torch.bfloat16)
+        self.head = SoftcapHead(d, v, cap, loss_impl="reference").to(device=device, dtype=torch.bfloat16)
+        self.kernel_head = SoftcapHead(d, v, cap, loss_impl="triton")  # the same parameters, the kernel's loss
+        self.kernel_head.weight, self.kernel_head.bias = self.head.weight, self.head.bias
         with torch.no_grad():  # a trained head's logits reach the cap; the zero-initialised one's would not
             self.head.weight.normal_(0, 3 / d**0.5)
             self.head.bias.normal_(0, 1)
@@ -97,8 +101,14 @@ def plain_rows(p: Problem, backend: str) -> dict[str, Callable[[], torch.Tensor]
     }
 
 
-def fused_rows(p: Problem, backend: str, chunk_mibs: list[float]) -> dict[str, Callable[[], torch.Tensor]]:
+def fused_rows(p: Problem, backend: str, chunk_mibs: list[float], notes: dict) -> dict[str, Callable[[], torch.Tensor]]:
     rows = {}
+    for mib in chunk_mibs:
+        if p.device.type != "cuda":
+            notes["fused triton"] = "skipped: a Triton kernel, GPU only"
+            break
+        targets = LossTargets(p.labels, chunk_mib=mib)
+        rows[f"fused triton {mib:g} MiB"] = lambda targets=targets: p.kernel_head(p.hidden, targets)
     for mib in chunk_mibs:
         targets = LossTargets(p.labels, chunk_mib=mib)
         rows[f"fused eager {mib:g} MiB"] = lambda targets=targets: p.head(p.hidden, targets)
@@ -206,7 +216,7 @@ def main() -> None:
         flush=True,
     )
     notes: dict = {}
-    rows = {**plain_rows(p, args.compile_backend), **fused_rows(p, args.compile_backend, chunk_mibs)}
+    rows = {**plain_rows(p, args.compile_backend), **fused_rows(p, args.compile_backend, chunk_mibs, notes)}
     rows.update(peer_rows(p, notes))
     results, reference = [], None
     for name, fn in rows.items():

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from atma_titan.models.atma import ATMA
 from atma_titan.models.flavors import FLAVORS
 from atma_titan.parallel.dims import ParallelDims
-from atma_titan.parallel.parallelize import apply_fsdp, resolve_reshard_after_forward
+from atma_titan.parallel.parallelize import apply_fsdp, resolve_reshard_after_forward, set_micro_batch
 from distributed_utils import ROOT, run_gloo_script
 
 
@@ -117,3 +117,19 @@ def test_the_norm_of_local_shards_is_the_whole_gradients_norm(tmp_path, world):
         assert r["norms"] == [r["norms"][0]] * world, name  # every rank clips by the same norm
         assert r["norms"][0] == pytest.approx(result["reference"], rel=1e-6), name
         assert r["clipped_equal"], name
+
+
+def test_parameters_stay_gathered_between_micro_batches_and_are_freed_after_the_last(one_rank_mesh):
+    torch.manual_seed(0)
+    model = ATMA(dataclasses.replace(FLAVORS["debug"], n_layers=2))
+    apply_fsdp(model, ParallelDims(1, 0, 0, 1, 1, one_rank_mesh), param_dtype=None, reshard_after_forward=True)
+    block = next(iter(model.blocks.values()))
+    tokens = torch.randint(0, 512, (1, 16))
+    gathered = []
+    for micro in range(3):
+        set_micro_batch(model, last=micro == 2)
+        model(tokens).float().square().mean().backward()
+        gathered.append(not isinstance(next(block.parameters()), DTensor))
+    # kept after the backward of micro-batches 0 and 1 (the next forward needs no all-gather), freed after the last
+    assert gathered == [True, True, False]
+    assert all(isinstance(p, DTensor) and p.grad is not None for p in model.parameters())

@@ -43,7 +43,7 @@ class ATMA(nn.Module):
         # A ModuleDict keyed by the block index keeps checkpoint keys stable under AC/compile wrappers.
         self.blocks = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.d_model, args.norm_eps)
-        self.head = SoftcapHead(args.d_model, args.vocab_size, args.logit_softcap)
+        self.head = SoftcapHead(args.d_model, args.vocab_size, args.logit_softcap, args.loss_impl)
 
     def forward(self, tokens: torch.Tensor, return_aux: bool = False, cache=None, targets: LossTargets | None = None):
         """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss.
@@ -100,9 +100,9 @@ class SoftcapHead(nn.Linear):
     hooks (which fire on module calls) gather the head's parameters for it.
     """
 
-    def __init__(self, d_model: int, vocab_size: int, cap: float):
+    def __init__(self, d_model: int, vocab_size: int, cap: float, loss_impl: str = "auto"):
         super().__init__(d_model, vocab_size)
-        self.cap = cap
+        self.cap, self.loss_impl = cap, loss_impl
 
     def forward(self, x: torch.Tensor, targets: LossTargets | None = None) -> torch.Tensor:
         if targets is not None:
@@ -115,6 +115,7 @@ class SoftcapHead(nn.Linear):
                 cap=self.cap,
                 chunk_mib=targets.chunk_mib,
                 compile_backend=targets.compile_backend,
+                impl=self.loss_impl,
             )
         return softcap(super().forward(x).float(), self.cap)
 

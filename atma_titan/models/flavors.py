@@ -77,6 +77,11 @@ class ModelArgs:
         "auto",
         ("auto", "triton", "reference", "fla"),
     )
+    loss_impl: str = arg(
+        "Fused LM-head loss's cross-entropy: auto (Triton on CUDA, PyTorch elsewhere), triton, reference",
+        "auto",
+        ("auto", "triton", "reference"),
+    )
 
     def is_global(self, i: int) -> bool:
         return i in self.global_layers

@@ -2,16 +2,21 @@
 
     loss = sum_i w_i * CE(softcap(x_i W^T + b), y_i)        over labels y_i != ignore_index
 
-The tokens are taken a chunk at a time. Each chunk computes its logits (the matmul in the input dtype,
-then the cap, log-sum-exp and softmax in fp32), adds its part of the loss and at once its gradients
-with respect to the hidden states, the weight and the bias. Nothing of size tokens x vocab outlives a
-chunk, neither logits nor their gradient; the autograd backward only scales the stored gradients by
-the incoming gradient. Gradients are computed only when some input requires one.
+The tokens are taken a chunk at a time. Each chunk computes its logits with the head's matmul (in the
+input dtype), adds its part of the loss and at once its gradients with respect to the hidden states, the
+weight and the bias. Nothing of size tokens x vocab outlives a chunk, neither logits nor their gradient;
+the autograd backward only scales the stored gradients by the incoming gradient. Gradients are computed
+only when some input requires one.
 
-Plain PyTorch. The chunk loop is one custom op, opaque to torch.compile, so a compiled head (fullgraph)
-calls it as one node at any shapes; the chunk's own math can be compiled separately (`compile_backend`),
-which fuses its element-wise work. It knows nothing about parallelism: under FSDP2 it runs inside the
-head's forward, on the gathered parameters.
+The cap, log-sum-exp and softmax run in fp32, two ways (`impl`):
+- the Triton kernel (kernels/softcap_ce; auto on CUDA): two passes over the chunk's bf16 logits, the
+  second writing their gradient over them in place;
+- plain PyTorch (`_chunk`, elsewhere and for fp64): an fp32 copy of the logits and element-wise passes
+  over it, which torch.compile can fuse (`compile_backend`).
+
+The chunk loop is one custom op, opaque to torch.compile, so a compiled head (fullgraph) calls it as one
+node at any shapes. It knows nothing about parallelism: under FSDP2 it runs inside the head's forward,
+on the gathered parameters.
 """
 
 from __future__ import annotations
@@ -21,15 +26,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from atma_titan.kernels.softcap_ce import kernel_runs, softcap, softcap_ce_backward_, softcap_ce_forward
+
+__all__ = ["LossTargets", "chunk_tokens_for", "linear_softcap_cross_entropy", "softcap", "add_product_"]
+
 IGNORE_INDEX = -100  # as F.cross_entropy: such labels add nothing to the loss or the gradients
 DEFAULT_CHUNK_MIB = 1024.0  # ~5,300 tokens at vocab 50,304: larger chunks were faster on the H200
-
-
-def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """z <- c z / sqrt(z^2 + c^2): smooth, odd, bounded by c, ~identity near zero."""
-    if not cap:
-        return logits
-    return cap * logits * torch.rsqrt(logits.square() + cap * cap)
 
 
 class LossTargets:
@@ -73,14 +75,16 @@ def linear_softcap_cross_entropy(
     chunk_mib: float = DEFAULT_CHUNK_MIB,
     ignore_index: int = IGNORE_INDEX,
     compile_backend: str | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """The summed (weighted) CE of softcap(hidden @ weight.T + bias) against `labels`, as an fp32 scalar.
 
     hidden (..., d); weight (V, d); bias (V,) or None; labels and weights (...). The same value as
     `F.cross_entropy(softcap(F.linear(hidden, weight, bias).float(), cap), labels, reduction="none")`
     times `weights`, summed. Chunks hold `chunk_tokens` tokens (default: fp32 logits of `chunk_mib` MiB).
-    Under autocast the matmuls run in the autocast dtype, as nn.Linear's would. `compile_backend`
-    compiles each chunk's math (the matmuls and the fused element-wise rest) with torch.compile.
+    Under autocast the matmuls run in the autocast dtype, as nn.Linear's would. `impl` (auto | triton |
+    reference) picks the cross-entropy's implementation; `compile_backend` compiles the reference's chunk
+    math (the matmuls and the fused element-wise rest) with torch.compile.
     """
     d = hidden.shape[-1]
     if labels.shape != hidden.shape[:-1]:
@@ -93,7 +97,7 @@ def linear_softcap_cross_entropy(
         bias = None if bias is None else bias.to(dtype)
     chunk = chunk_tokens or chunk_tokens_for(weight.shape[0], chunk_mib)
     flat = (hidden.reshape(-1, d), weight, bias, labels.reshape(-1), None if weights is None else weights.reshape(-1))
-    options = (float(cap), int(chunk), int(ignore_index), compile_backend or "")
+    options = (float(cap), int(chunk), int(ignore_index), compile_backend or "", impl)
     tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _FusedLinearCE.apply(*flat, *options)
@@ -104,9 +108,9 @@ class _FusedLinearCE(torch.autograd.Function):
     """Forward computes the loss and all gradients; backward scales them by grad_output."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, cap, chunk, ignore_index, backend):
+    def forward(ctx, hidden, weight, bias, labels, weights, cap, chunk, ignore_index, backend, impl):
         loss, grad_hidden, grad_weight, grad_bias = _fused_loss_and_grads(
-            hidden, weight, bias, labels, weights, cap, chunk, ignore_index, backend, with_grads=True
+            hidden, weight, bias, labels, weights, cap, chunk, ignore_index, backend, impl, with_grads=True
         )
         ctx.has_bias = bias is not None
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -116,7 +120,7 @@ class _FusedLinearCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         grad_bias = grad_bias * grad_loss if ctx.has_bias else None
-        return grad_hidden * grad_loss, grad_weight * grad_loss, grad_bias, None, None, None, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, grad_bias, *[None] * 7
 
 
 # An opaque op to torch.compile: the compiled head (fullgraph) calls it as one node whatever the shapes
@@ -133,6 +137,7 @@ def _fused_loss_and_grads(
     chunk: int,
     ignore_index: int,
     backend: str,
+    impl: str,
     with_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias); without with_grads (or bias) the gradients are empty.
@@ -141,7 +146,10 @@ def _fused_loss_and_grads(
     parameters' dtype; the hidden-state gradient in the hidden states' dtype.
     """
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    step = _chunk_function(backend)
+    if kernel_runs(hidden.dtype, hidden.device, impl, "model.loss_impl"):
+        step = functools.partial(_kernel_chunk, impl=impl)
+    else:
+        step = _chunk_function(backend)
     n = hidden.shape[0]
     loss = torch.zeros((), dtype=acc, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else hidden.new_empty(0)
@@ -173,7 +181,7 @@ def _fused_loss_and_grads(
 
 
 @_fused_loss_and_grads.register_fake
-def _(hidden, weight, bias, labels, weights, cap, chunk, ignore_index, backend, with_grads):
+def _(hidden, weight, bias, labels, weights, cap, chunk, ignore_index, backend, impl, with_grads):
     loss = hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     if not with_grads:
         return loss, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0)
@@ -219,6 +227,23 @@ def _chunk(x, weight, bias, labels, weights, cap: float, ignore_index: int, acc:
     grad_bias = g.sum(0) if bias is not None else None
     g_low = g.to(x.dtype)
     return loss, g_low @ weight, g_low, grad_bias  # the weight's gradient, g_low^T x, is added up by the caller
+
+
+def _kernel_chunk(x, weight, bias, labels, weights, cap: float, ignore_index: int, acc, with_grads: bool, *, impl):
+    """`_chunk` through the cross-entropy kernel: the logits stay in x's dtype, and their gradient is
+    written over them."""
+    valid = labels != ignore_index
+    targets = torch.where(valid, labels, -1)
+    scale = valid.float() if weights is None else torch.where(valid, weights.float(), 0.0)
+    z = F.linear(x, weight, bias)
+    rows, lse = softcap_ce_forward(z, targets, scale, cap, impl=impl, what="model.loss_impl")
+    loss = rows.sum(dtype=acc)
+    if not with_grads:
+        return (loss,)
+    grad_bias = softcap_ce_backward_(
+        z, lse, targets, scale, cap, bias_grad=bias is not None, impl=impl, what="model.loss_impl"
+    )
+    return loss, z @ weight, z, grad_bias
 
 
 def add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ gradient norm of sharded gradients."""
 
 from atma_titan.parallel.dims import LaunchEnv, ParallelDims, all_reduce_sum, destroy_distributed, init_distributed
 from atma_titan.parallel.grad_norm import clip_grads_, total_norm
-from atma_titan.parallel.parallelize import parallelize
+from atma_titan.parallel.parallelize import parallelize, set_micro_batch
 
 __all__ = [
     "LaunchEnv",
@@ -13,5 +13,6 @@ __all__ = [
     "destroy_distributed",
     "init_distributed",
     "parallelize",
+    "set_micro_batch",
     "total_norm",
 ]
