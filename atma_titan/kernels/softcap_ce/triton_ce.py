@@ -9,8 +9,11 @@ Two memory-bound passes over the (M, V) logits, which the LM-head matmul wrote i
   the column sums of the fp32 gradient for its row group (the bias gradient, summed by the caller:
   deterministic, no atomics).
 
-Against the compiled PyTorch chunk (fp32 copy of the logits, several element-wise passes over it) this
-moves 3 x 2 bytes per logit instead of ~20. Configs are fixed, not tuned: the kernels use no shared
+Each logit is read twice and written once, in bf16; the compiled PyTorch chunk makes an fp32 copy of
+the logits and passes over it several times (on the H200 its element-wise work took ~1.6 ms a 5,336-token
+chunk, these two kernels 0.51 ms). Targets must be < V: the trainer checks every token id before step 1
+(data/token_range.py); a larger one is masked out of the loads, never read past its row. Configs are
+fixed, not tuned: the kernels use no shared
 memory beyond their reductions, so every config fits any GPU (benchmarks/kernel_resources.py lists
 them), and the gradient kernel writes in place, which an autotuner's repeated trial launches would
 corrupt. Importing this module imports triton.
@@ -61,7 +64,7 @@ def _ce_rows_kernel(
     lse = running_max + tl.log(running_sum)
     target = tl.load(targets_ptr + row)
     valid = target >= 0
-    s_target, _ = _softcap(tl.load(base + target, mask=valid, other=0.0).to(tl.float32), cap, HAS_CAP)
+    s_target, _ = _softcap(tl.load(base + target, mask=valid & (target < V), other=0.0).to(tl.float32), cap, HAS_CAP)
     loss = tl.where(valid, (lse - s_target) * tl.load(scale_ptr + row), 0.0)
     tl.store(lse_ptr + row, lse)
     tl.store(loss_ptr + row, loss)
