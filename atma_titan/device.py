@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from atma_titan.errors import InputError
 
-__all__ = ["cap_device_memory", "resolve_device"]
+__all__ = ["cap_device_memory", "copy_to_host", "resolve_device"]
 
 
 def resolve_device(name: str, local_rank: int = 0, what: str = "--device") -> torch.device:
@@ -40,3 +42,21 @@ def cap_device_memory(device: torch.device, cap_gib: float) -> None:
     if cap_gib * 2**30 >= total:
         raise InputError(f"debug.memory_cap_gib = {cap_gib} is not below this GPU's {total / 2**30:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total, device)
+
+
+def copy_to_host(tensor: torch.Tensor) -> Callable[[], list]:
+    """Start copying `tensor` to the host; the returned function waits for that copy alone and gives its values.
+
+    `tensor.tolist()` on a GPU waits for every kernel queued so far; this waits only for those queued before
+    the call, so the caller may queue more work first and have the GPU run it while the host waits."""
+    if tensor.device.type != "cuda":
+        return tensor.tolist
+    host = tensor.to("cpu", non_blocking=True)  # into pinned memory
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def values() -> list:
+        copied.synchronize()
+        return host.tolist()
+
+    return values

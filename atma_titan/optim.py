@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from atma_titan.config import LRScheduler, Optimizer
+from atma_titan.kernels.muon_update import apply_updates_, stage_momentum_
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, as in torch.optim.Muon
 MAX_BATCH_ELEMENTS = 1 << 28  # matrices stacked into one Newton-Schulz batch: at most 512 MB of bf16
@@ -60,15 +61,17 @@ def batch_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, cols
 
 
-def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> list[torch.Tensor]:
-    """orthogonalize() of every matrix, in bf16, stacking those of one batch_shape() into one batched
-    product: a model has a few shapes repeated over its blocks (the small ones all together), so a step
-    launches a few dozen kernels, not thousands. Each result is a bf16 tensor of its update's shape, laid
-    out as a contiguous matrix except for a small one's (a view into its padded batch).
+class UpdateBatches:
+    """bf16 Newton-Schulz batches for matrices of the given shapes, one per batch_shape() (capped at
+    MAX_BATCH_ELEMENTS): a model has a few shapes repeated over its blocks (the small ones all together),
+    so a step launches a few dozen kernels, not thousands.
 
-    The batch is filled by one multi-tensor cast copy in each matrix's own layout (a tall one is not turned:
-    see orthogonalize()); transposing copies of the large tall matrices, in and out, were slow strided
-    kernels on the GPU.
+    `slots[i]` is matrix i's place in its batch, a view of the matrix's own shape (a small tall one turned
+    wide, zero-padded around), where its update is written: by one multi-tensor cast copy
+    (orthogonalize_all) or by Muon's element-wise kernel. A tall matrix is not turned (see orthogonalize()):
+    transposing copies of the large tall matrices, in and out, were slow strided kernels on the GPU.
+    `orthogonalize()` returns each matrix's bf16 result of its own shape, laid out as a contiguous matrix
+    except for a small one's (a view into its padded batch).
 
     Every matrix goes through the batched (3-D) products, a lone one as a batch of one, so the kernels a
     matrix meets do not depend on which other matrices share its batch, and each batch entry is its own
@@ -76,27 +79,45 @@ def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> li
     sharded Muon batches other matrices than a single process does and so gets the same bits. A GPU BLAS
     may pick another algorithm for another batch count; `benchmarks/muon_ownership.py --batch-invariance`
     checks that on the device."""
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for i, u in enumerate(updates):
-        by_shape.setdefault(batch_shape(u.shape), []).append(i)
-    out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
-    for (rows, cols), indices in by_shape.items():
-        per_batch = max(1, MAX_BATCH_ELEMENTS // (rows * cols))  # bounds the stacked copies' memory
-        for first in range(0, len(indices), per_batch):
-            chunk = indices[first : first + per_batch]
-            # Only a small matrix is turned (to fit the wide SMALL_MATRIX) or padded; zeros only then.
-            small = (rows, cols) == SMALL_MATRIX
-            turned = [small and updates[i].size(-2) > updates[i].size(-1) for i in chunk]
-            fitted = [updates[i].mT if t else updates[i] for i, t in zip(chunk, turned)]
-            padded = any(f.shape != (rows, cols) for f in fitted)
-            make = torch.zeros if padded else torch.empty  # no memset of a batch the copy fills
-            batch = make((len(chunk), rows, cols), dtype=torch.bfloat16, device=fitted[0].device)
-            torch._foreach_copy_([b[: f.size(0), : f.size(1)] for b, f in zip(batch.unbind(0), fitted)], fitted)
-            done = orthogonalize(batch, steps, eps)
-            for i, t, f, x in zip(chunk, turned, fitted, done.unbind(0)):
-                x = x[: f.size(0), : f.size(1)]
-                out[i] = x.mT if t else x
-    return out
+
+    def __init__(self, shapes: list[tuple[int, int]], device: torch.device):
+        self.slots: list[torch.Tensor] = [None] * len(shapes)  # type: ignore[list-item]
+        self._batches = []  # (batch, [(matrix, turned, rows, cols)])
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            by_shape.setdefault(batch_shape(shape), []).append(i)
+        for (rows, cols), indices in by_shape.items():
+            per_batch = max(1, MAX_BATCH_ELEMENTS // (rows * cols))  # bounds the stacked copies' memory
+            for first in range(0, len(indices), per_batch):
+                members = []
+                for i in indices[first : first + per_batch]:
+                    r, c = shapes[i][-2:]
+                    # Only a small matrix is turned (to fit the wide SMALL_MATRIX) or padded; zeros only then.
+                    turned = (rows, cols) == SMALL_MATRIX and r > c
+                    members.append((i, turned, *((c, r) if turned else (r, c))))
+                padded = any((r, c) != (rows, cols) for _, _, r, c in members)
+                make = torch.zeros if padded else torch.empty  # no memset of a batch the copy fills
+                batch = make((len(members), rows, cols), dtype=torch.bfloat16, device=device)
+                for slot, (i, turned, r, c) in zip(batch.unbind(0), members):
+                    self.slots[i] = slot[:r, :c].mT if turned else slot[:r, :c]
+                self._batches.append((batch, members))
+
+    def orthogonalize(self, steps: int, eps: float) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [None] * len(self.slots)  # type: ignore[list-item]
+        for batch, members in self._batches:
+            for (i, turned, r, c), x in zip(members, orthogonalize(batch, steps, eps).unbind(0)):
+                out[i] = x[:r, :c].mT if turned else x[:r, :c]
+        return out
+
+
+def orthogonalize_all(updates: list[torch.Tensor], steps: int, eps: float) -> list[torch.Tensor]:
+    """orthogonalize() of every matrix, in bf16, batched by UpdateBatches (one multi-tensor cast copy of the
+    updates, each in its own layout, into their slots); each result is a bf16 tensor of its update's shape."""
+    if not updates:
+        return []
+    batches = UpdateBatches([tuple(u.shape) for u in updates], updates[0].device)
+    torch._foreach_copy_(batches.slots, updates)
+    return batches.orthogonalize(steps, eps)
 
 
 def newton_schulz_flops(shape: tuple[int, ...], steps: int) -> int:
@@ -160,6 +181,15 @@ def row_sharded_dim(u: DTensor) -> int | None:
     if len(shard_dims) == 1 and type(u.placements[shard_dims[0]]) is Shard and u.placements[shard_dims[0]].dim == 0:
         return shard_dims[0]
     return None
+
+
+def is_whole(u: torch.Tensor) -> bool:
+    """Whether this rank holds the whole matrix: a plain tensor, or a DTensor row-sharded over a shard
+    group of one rank (replicated on any other mesh dim)."""
+    if not isinstance(u, DTensor):
+        return True
+    dim = row_sharded_dim(u)
+    return dim is not None and u.device_mesh.size(dim) == 1
 
 
 def full_or_local(u: torch.Tensor, gather: bool) -> torch.Tensor:
@@ -255,12 +285,14 @@ class Muon(torch.optim.Muon):
     equals a single-process Muon step bit for bit (tested at 1, 2 and 4 ranks); every shard of a matrix
     comes from its owner's one computation, so ranks and replicas cannot drift apart even where the
     kernels round differently. Plain tensors and a shard group of one rank are orthogonalised in place;
-    other DTensor layouts are all-gathered on every rank as before. The element-wise updates use foreach
-    kernels: a per-matrix loop was launch-bound (~160 ms a step for the 370M model).
+    other DTensor layouts are all-gathered on every rank as before. The element-wise passes are one launch
+    each over all matrices (kernels/muon_update: Triton on a GPU, foreach ops elsewhere): a per-matrix loop
+    was launch-bound (~160 ms a step for the 370M model).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, elementwise_impl: str = "auto", **kwargs):
         super().__init__(*args, **kwargs)
+        self.elementwise_impl = elementwise_impl  # kernels/muon_update: auto | triton | reference
         self._exchanges: dict[tuple, ShardExchange] = {}
 
     def _exchange(self, mesh, mesh_dim: int, shapes: tuple[tuple[int, int], ...], steps: int) -> ShardExchange:
@@ -277,8 +309,8 @@ class Muon(torch.optim.Muon):
         groups: dict[tuple, list[int]] = {}  # row-sharded updates by (mesh, shard dim)
         for i, u in enumerate(updates):
             dim = row_sharded_dim(u) if isinstance(u, DTensor) else None
-            if not isinstance(u, DTensor) or (dim is not None and u.device_mesh.size(dim) == 1):
-                whole.append(i)  # a shard group of one rank holds the whole matrix (replicated on other dims)
+            if is_whole(u):
+                whole.append(i)
             elif dim is not None:
                 groups.setdefault((u.device_mesh, dim), []).append(i)
             else:
@@ -311,36 +343,72 @@ class Muon(torch.optim.Muon):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("Muon here takes no closure")
-        for group in self.param_groups:
-            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            # Element-wise, on the local shards (a buffer is laid out as its gradient): DTensor's dispatch of
-            # a foreach op costs host time per tensor, which a one-micro-batch step waits for on the GPU.
-            local_bufs, local_grads = local_tensors(bufs), local_tensors(grads)
-            torch._foreach_lerp_(local_bufs, local_grads, 1 - momentum)
-            if group["nesterov"]:
-                torch._foreach_lerp_(local_grads, local_bufs, momentum)  # in the gradients: zeroed after the step
-            updates = grads if group["nesterov"] else bufs
-            orthogonal = self._orthogonalize(updates, group["ns_steps"], group["eps"])
-            # In place on each parameter's own shard: one foreach decay for all of them, then the bf16 update
-            # added to the fp32 shard as torch.optim.Muon's param.add_ does (promoted inside the add, no fp32
-            # copy of the updates; the scale depends on the matrix's aspect ratio: one call per distinct scale).
-            mine = local_tensors(params)
-            torch._foreach_mul_(mine, 1 - lr * wd)
-            by_scale: dict[float, list[int]] = {}
-            for i, p in enumerate(params):
-                rows, cols = p.shape
-                by_scale.setdefault(math.sqrt(max(1.0, rows / cols)), []).append(i)
-            for scale, members in by_scale.items():
-                torch._foreach_add_([mine[i] for i in members], [orthogonal[i] for i in members], alpha=-lr * scale)
+        self.stage()()
         return None
+
+    @torch.no_grad()
+    def stage(self) -> Callable[[], None]:
+        """Queue the part of a step that changes no parameter and no state, and return the commit that does.
+
+        Staged: the new momentum (into new tensors, kept until the commit), the update, Newton-Schulz and the
+        exchanges between ranks. The commit writes the momentum and adds the updates to the parameters. The
+        trainer stages, then waits for the step's loss on the host (training.nan_policy may skip the update),
+        so the GPU has the Newton-Schulz products to run meanwhile; a skipped step drops the commit."""
+        commits = [self._stage_group(group) for group in self.param_groups]
+
+        def commit() -> None:
+            for write in commits:
+                write()
+
+        return commit
+
+    def _stage_group(self, group: dict) -> Callable[[], None]:
+        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return lambda: None
+        grads = [p.grad for p in params]
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+        # Element-wise work runs on the local shards (a buffer is laid out as its gradient): DTensor's dispatch
+        # costs host time per tensor, which a one-micro-batch step waits for on the GPU.
+        bufs = local_tensors([self.state[p]["momentum_buffer"] for p in params])
+        local_grads = local_tensors(grads)
+        # The bf16 updates: a matrix whole on this rank straight into its Newton-Schulz batch slot, a sharded
+        # one into its own tensor (exchanged between ranks or gathered, _orthogonalize).
+        whole = [i for i, g in enumerate(grads) if is_whole(g)]
+        sharded = [i for i, g in enumerate(grads) if not is_whole(g)]
+        batches = UpdateBatches([tuple(local_grads[i].shape) for i in whole], local_grads[0].device)
+        outs: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        for i, slot in zip(whole, batches.slots):
+            outs[i] = slot
+        for i in sharded:
+            outs[i] = torch.empty_like(local_grads[i], dtype=torch.bfloat16)
+        # The new momentum goes over the gradients (zeroed after the step); the buffers wait for the commit.
+        stage_momentum_(local_grads, bufs, outs, momentum, group["nesterov"], impl=self.elementwise_impl)
+        orthogonal: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        for i, x in zip(whole, batches.orthogonalize(group["ns_steps"], group["eps"])):
+            orthogonal[i] = x
+        if sharded:
+            updates = [
+                DTensor.from_local(outs[i], grads[i].device_mesh, grads[i].placements, run_check=False,
+                                   shape=grads[i].shape, stride=grads[i].stride())
+                for i in sharded
+            ]  # fmt: skip
+            for i, x in zip(sharded, self._orthogonalize(updates, group["ns_steps"], group["eps"])):
+                orthogonal[i] = x
+        # torch.optim.Muon's scale: by the matrix's aspect ratio.
+        alphas = [-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) for p in params]
+
+        @torch.no_grad()  # called after stage() has returned
+        def commit() -> None:
+            # In place on each parameter's own shard: the decay and the bf16 update added to the fp32 shard
+            # (promoted inside the add, as torch.optim.Muon's param.add_ does), the momentum into its buffer.
+            apply_updates_(local_tensors(params), bufs, local_grads, orthogonal, 1 - lr * wd, alphas,
+                           impl=self.elementwise_impl)  # fmt: skip
+
+        return commit
 
 
 def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -366,9 +434,32 @@ class Optimizers:
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
 
-    def step(self) -> None:
+    def step(self, allowed: Callable[[], bool] = lambda: True, skip: torch.Tensor | None = None) -> bool:
+        """Step every optimizer if `allowed()`, which is asked once; returns its answer.
+
+        `allowed()` may wait for the GPU (the trainer reads the step's loss and gradient norm there: the
+        NaN policy). What does not depend on the answer is queued before it is asked, so the GPU has work
+        while the host waits: Muon's staged half (Muon.stage), and the whole of a fused AdamW when `skip`
+        is given (a float scalar on the parameters' device, 1.0 where the step must not update), whose
+        kernel then leaves parameters and state as they are on the device itself (found_inf, as under a
+        GradScaler). The rest runs after a yes."""
+        commits = []
         for opt in self.optimizers:
-            opt.step()
+            if isinstance(opt, Muon):
+                commits.append(opt.stage())
+            elif skip is not None and opt.defaults.get("fused"):
+                opt.found_inf = skip
+                try:
+                    opt.step()
+                finally:
+                    del opt.found_inf
+            else:
+                commits.append(opt.step)
+        go = allowed()
+        if go:
+            for commit in commits:
+                commit()
+        return go
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

@@ -38,7 +38,7 @@ from atma_titan.checkpoint import (
 )
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.data import TrainData
-from atma_titan.device import cap_device_memory, resolve_device
+from atma_titan.device import cap_device_memory, copy_to_host, resolve_device
 from atma_titan.errors import InputError, import_optional
 from atma_titan.faults import FaultInjector
 from atma_titan.folder_lock import lock_run_folder
@@ -568,11 +568,21 @@ def train_step(run: Run) -> StepStats:
     run.faults.after_backward(step)
     grad_norm = clip_gradients(run.model, run.cfg.training.max_norm)  # global already: not in the sum below
     # One small all-reduce a step (global loss, and whether any rank was asked to stop), and the step's one
-    # host sync: the NaN policy needs the values before the optimizer step.
+    # host sync: the NaN policy needs the values before the update. The optimizers queue what needs no answer
+    # (Newton-Schulz; a fused AdamW that skips on the device) before they ask, so the GPU works while we wait.
     stop = torch.tensor(float(run.stop.requested), pin_memory=device.type == "cuda")  # pinned: copied without a sync
     flags = all_reduce_sum(torch.stack([loss_sum, aux_sum, stop.to(device, non_blocking=True)]), dims)
-    loss_value, aux_value, stop_votes, grad_norm = torch.cat([flags, grad_norm.reshape(1).to(flags)]).tolist()
-    apply_update(run, step, loss_value, grad_norm)
+    totals = torch.cat([flags, grad_norm.reshape(1).to(flags)])  # loss, aux, stop votes, grad norm
+    skip = (~torch.isfinite(totals[0::3]).all()).float()  # the NaN policy's test, on the device
+    read_totals = copy_to_host(totals)
+    values: list[float] = []
+
+    def allowed() -> bool:  # asked by the optimizers once they have queued what needs no answer
+        values.extend(read_totals())
+        return update_allowed(run, step, loss=values[0], grad_norm=values[3])
+
+    run.optimizers.step(allowed, skip)
+    loss_value, aux_value, stop_votes, grad_norm = values
     lr = run.optimizers.param_groups[0]["lr"]
     run.schedules.step()
     run.optimizers.zero_grad()
@@ -584,11 +594,12 @@ def train_step(run: Run) -> StepStats:
     return StepStats(loss_value, aux_value, grad_norm, lr, bool(stop_votes))
 
 
-def apply_update(run: Run, step: int, loss: float, grad_norm: float) -> None:
-    """The optimizer step, unless loss or gradient is not finite: then stop or skip (training.nan_policy)."""
+def update_allowed(run: Run, step: int, loss: float, grad_norm: float) -> bool:
+    """Whether the optimizer step may update: not when loss or gradient norm is not finite; then stop or skip
+    (training.nan_policy)."""
     if np.isfinite(loss) and np.isfinite(grad_norm):
-        run.optimizers.step()
-    elif run.cfg.training.nan_policy == "abort":
+        return True
+    if run.cfg.training.nan_policy == "abort":
         kept = (
             f"the last checkpoint (step {run.saved_step}) is intact"
             if run.saved_step is not None
@@ -598,8 +609,8 @@ def apply_update(run: Run, step: int, loss: float, grad_norm: float) -> None:
             f"loss is {loss} (grad norm {grad_norm}) at step {step}; stopping, {kept}. Lower the learning rate, "
             "or set training.nan_policy = 'skip' to skip such steps."
         )
-    else:
-        run.say(f"step {step}: loss {loss}, grad norm {grad_norm}: skipping this update")
+    run.say(f"step {step}: loss {loss}, grad norm {grad_norm}: skipping this update")
+    return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
                                           [--jobs 2] [--out benchmarks/results/kernel_resources.json]
 
 Needs no GPU. The host launchers of the Polar attention (forward, backward, paged decode), gated
-delta memory (chunked forward / backward, decode step) and LM-head cross-entropy kernels are called at
+delta memory (chunked forward / backward, decode step), LM-head cross-entropy and Muon kernels are called at
 the flavor's shapes with tensors on the meta device (bf16 activations, fp32 gates and states, as the
 model passes them) and their launches recorded instead of run; every config of each kernel's list
 (the autotune list, the decode tile candidates, or the one fixed config) is then compiled ahead of time
@@ -200,14 +200,34 @@ def softcap_ce_cases(flavor: str) -> list[Case]:
             for launch in launches]  # fmt: skip
 
 
+def muon_update_cases(flavor: str) -> list[Case]:
+    """Muon's element-wise kernels over the flavor's block matrices (optim.py, kernels/muon_update)."""
+    from atma_titan.kernels.muon_update import triton_muon
+    from atma_titan.models import ATMA
+    from atma_titan.models.flavors import FLAVORS
+    from atma_titan.optim import split_parameters
+
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in split_parameters(ATMA(FLAVORS[flavor]))["matrix"]]
+    fp32 = [_meta(*s, dtype=torch.float32) for s in shapes]
+    bf16 = [_meta(*s) for s in shapes]
+    with resources.recorded_launches(triton_muon, ["_stage_kernel", "_apply_kernel"]) as launches:
+        triton_muon.stage_momentum_(fp32, fp32, bf16, 0.95, True)
+        triton_muon.apply_updates_(fp32, fp32, fp32, bf16, 0.9998, [-0.02] * len(shapes))
+    note = f"{len(shapes)} matrices, {sum(s[0] * s[1] for s in shapes):,} elements"
+    return [Case("muon." + launch.name.strip("_").removesuffix("_kernel"), _tuned_rows(launch), note)
+            for launch in launches]  # fmt: skip
+
+
 def model_cases(flavor: str = "atma_370m", seq_len: int = 2048) -> list[Case]:
-    """Every kernel the flavor's model launches (training, prefill and decode), at its shapes."""
+    """Every kernel the flavor's model and its training launch (training, prefill and decode), at its shapes."""
     shapes = model_shapes(flavor)
     return [
         *polar_cases(shapes, seq_len),
         *decode_cases(shapes),
         *gated_delta_cases(shapes, seq_len),
         *softcap_ce_cases(flavor),
+        *muon_update_cases(flavor),
     ]
 
 

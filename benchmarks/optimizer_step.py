@@ -1,5 +1,6 @@
-"""One Muon step over a model's block matrices: this Muon (Newton-Schulz batched per shape, foreach
-momentum) against torch.optim.Muon (one matrix at a time), same parameters and gradients, one run.
+"""One Muon step over a model's block matrices: this Muon (Newton-Schulz batched per shape, its element-wise
+passes as two Triton kernels on a GPU, kernels/muon_update), the same with those passes as PyTorch foreach
+ops, and torch.optim.Muon (one matrix at a time), same parameters and gradients, one run.
 
     python benchmarks/optimizer_step.py [--flavor atma_370m] [--out benchmarks/results/]
 
@@ -16,6 +17,7 @@ sets its share of the step.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -91,13 +93,18 @@ def main() -> None:
     shapes = block_matrices(args.flavor)
     print(f"{args.flavor}: {len(shapes)} block matrices, {len(set(shapes))} shapes, on {device}", flush=True)
     rows = []
-    for name, cls in (("torch.optim.Muon", torch.optim.Muon), ("atma_titan Muon", Muon)):
+    variants = (
+        ("torch.optim.Muon", torch.optim.Muon),
+        ("atma_titan Muon, foreach", functools.partial(Muon, elementwise_impl="reference")),
+        ("atma_titan Muon", Muon),
+    )
+    for name, cls in variants:
         row = {"optimizer": name, **time_steps(cls, shapes, device, args.steps)}
         rows.append(row)
         on_device = "n/a: queued longer than the sleep" if row.get("gpu_ms") is None else f"{row['gpu_ms']:.2f} ms"
         split = f"  (GPU {on_device}, host {row['host_ms']:.2f} ms)" if "host_ms" in row else ""
         speedup = rows[0]["step_ms"] / row["step_ms"]
-        print(f"{name:<18} {row['step_ms']:9.2f} ms/step  {speedup:6.2f}x{split}", flush=True)
+        print(f"{name:<26} {row['step_ms']:9.2f} ms/step  {speedup:6.2f}x{split}", flush=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower() if device.type == "cuda" else "cpu"
     path = Path(args.out) / f"optimizer_step-{gpu}-{args.flavor}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -166,3 +168,101 @@ def test_muon_runs_its_foreach_ops_on_local_shards_not_dtensors(one_rank_gloo):
         opt.step()
     assert not {op for op in record.ops if op.startswith("_foreach")}, record.ops
     assert all(torch.isfinite(p.to_local()).all() for p in params)
+
+
+def _muon_and_fused_adamw(device: str = "cpu"):
+    from atma_titan.optim import Muon, Optimizers
+
+    torch.manual_seed(0)
+    matrices = [nn.Parameter(torch.randn(16, 8, device=device)) for _ in range(2)]
+    matrices.append(nn.Parameter(torch.randn(4, 12, device=device)))
+    vectors = [nn.Parameter(torch.randn(8, device=device)), nn.Parameter(torch.randn(5, device=device))]
+    muon = Muon(matrices, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
+    adam = torch.optim.AdamW(vectors, lr=0.01, betas=(0.8, 0.95), fused=True)  # found_inf works on CPU too
+    return Optimizers([muon, adam]), matrices + vectors
+
+
+def _state(optimizers, params) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in params]
+    for opt in optimizers.optimizers:
+        for state in opt.state.values():
+            tensors += [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_optimizers_queue_the_work_that_needs_no_answer_before_asking_and_a_no_changes_nothing(monkeypatch, device):
+    """The trainer asks (allowed) only after Newton-Schulz and a device-skipping fused AdamW are queued, so
+    the GPU works while the host reads the loss; a no leaves every parameter and state as it was, a yes
+    equals a plain step."""
+    from atma_titan import optim
+
+    events = []
+    real = optim.orthogonalize
+    monkeypatch.setattr(optim, "orthogonalize", lambda *a: events.append("newton-schulz") or real(*a))
+    ours, params = _muon_and_fused_adamw(device)
+    ref, ref_params = _muon_and_fused_adamw(device)
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in params]
+        for p, q, g in zip(params, ref_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        before = _state(ours, params)
+        adam_steps = [s["step"].item() for s in ours.optimizers[1].state.values()]
+        events.clear()
+        go = step != 2  # the third step is skipped (a non-finite loss under nan_policy = "skip")
+
+        def allowed():
+            adam_state = ours.optimizers[1].state
+            events.append("asked")
+            # AdamW has run already, deciding on the device: it moved only when the step goes ahead.
+            moved = not torch.equal(params[3].detach(), before[3])
+            assert moved == go and len(adam_state) == 2
+            return go
+
+        assert ours.step(allowed, skip=torch.tensor(0.0 if go else 1.0, device=device)) is go
+        assert events == ["newton-schulz", "asked"]  # one (small-matrix) batch, then the question
+        if go:
+            ref.step()
+            for a, b in zip(_state(ours, params), _state(ref, ref_params)):
+                assert torch.equal(a, b)
+        else:
+            after = _state(ours, params)
+            assert all(torch.equal(a, b) for a, b in zip(after, before))  # parameters, momenta, moments
+            assert [s["step"].item() for s in ours.optimizers[1].state.values()] == adam_steps
+            for p, q in zip(params, ref_params):  # the reference skips by not stepping
+                q.grad = None
+
+
+def test_optimizers_without_a_device_skip_step_adamw_only_after_a_yes():
+    ours, params = _muon_and_fused_adamw()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in params]
+    asked = []
+    assert not ours.step(lambda: asked.append(len(ours.optimizers[1].state)) or False)
+    assert asked == [0]  # AdamW had not stepped when asked; nor after the no
+    assert not ours.optimizers[1].state and all(torch.equal(p, b) for p, b in zip(params, before))
+    # Muon's first stage made its momentum buffers; a no leaves them at zero (as if there were none).
+    assert all(not s["momentum_buffer"].any() for s in ours.optimizers[0].state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_copy_to_host_waits_for_its_copy_not_for_the_work_queued_after_it():
+    """The trainer reads the step's loss this way after queueing Newton-Schulz: .tolist() would wait for that."""
+    from atma_titan.device import copy_to_host
+
+    values = torch.tensor([1.5, float("nan")], device="cuda")
+    read = copy_to_host(values)
+    x = torch.randn(8192, 8192, device="cuda")
+    for _ in range(10):  # hundreds of ms of fp32 products, queued after the copy
+        x = torch.tanh(x @ x)
+    queued_work_done = torch.cuda.Event()
+    queued_work_done.record()
+    first, second = read()
+    assert not queued_work_done.query()  # the host has its values while the GPU still works
+    assert first == 1.5 and math.isnan(second)
+    torch.cuda.synchronize()

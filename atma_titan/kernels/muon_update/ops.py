@@ -1,0 +1,64 @@
+"""Muon's element-wise passes over many matrices (reference.py has the math), by impl
+(auto | triton | reference, kernels/backends.py): on a GPU each pass is one Triton launch over every
+matrix, where the PyTorch reference takes several foreach passes over the fp32 tensors.
+
+Each matrix is 2-D; `grads`, `bufs`, `params` (and `momenta`) are contiguous fp32 of one shape per matrix,
+`outs` / `updates` any strided view of that shape (a slot of a Newton-Schulz batch, a transposed one
+included). Triton (triton_muon.py) is imported on the first kernel call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atma_titan.kernels import backends
+from atma_titan.kernels.muon_update.reference import apply_updates_reference_, stage_momentum_reference_
+
+__all__ = ["apply_updates_", "stage_momentum_"]
+
+
+def _kernels(device: torch.device, impl: str, what: str, tensors: list[torch.Tensor]):
+    if not tensors or tensors[0].dtype != torch.float32 or not backends.use_triton(impl, device, what):
+        return None
+    return backends.kernel_module(
+        "atma_titan.kernels.muon_update.triton_muon",
+        device,
+        kernel="Muon's element-wise kernel",
+        probe="_stage_kernel",
+        reference="impl='reference'",
+    )
+
+
+def stage_momentum_(
+    grads: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    momentum: float,
+    nesterov: bool,
+    *,
+    impl: str = "auto",
+    what: str = "impl",
+) -> None:
+    """Write each matrix's new momentum over its gradient and its update into `outs` (reference.py)."""
+    kernels = _kernels(grads[0].device if grads else torch.device("cpu"), impl, what, grads)
+    if kernels is None:
+        return stage_momentum_reference_(grads, bufs, outs, momentum, nesterov)
+    kernels.stage_momentum_(grads, bufs, outs, momentum, nesterov)
+
+
+def apply_updates_(
+    params: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    momenta: list[torch.Tensor],
+    updates: list[torch.Tensor],
+    decay: float,
+    alphas: list[float],
+    *,
+    impl: str = "auto",
+    what: str = "impl",
+) -> None:
+    """Copy each momentum into its buffer and add alpha * update to the decayed parameter (reference.py)."""
+    kernels = _kernels(params[0].device if params else torch.device("cpu"), impl, what, params)
+    if kernels is None:
+        return apply_updates_reference_(params, bufs, momenta, updates, decay, alphas)
+    kernels.apply_updates_(params, bufs, momenta, updates, decay, alphas)

@@ -1,0 +1,126 @@
+"""Triton kernels of Muon's element-wise passes (reference.py has the math).
+
+Each pass is one launch over every matrix of a step (multi-tensor): a table on the device holds each
+matrix's pointers, size, columns and the strides of its bf16 view, and each program takes BLOCK
+elements of one matrix (a second table maps programs to (matrix, block)). The fp32 tensors are read
+and written contiguously; the bf16 view is addressed by row and column, so it may be a padded or
+transposed slot of a Newton-Schulz batch.
+
+- `_stage_kernel`: reads gradient and buffer, writes the new momentum over the gradient and the update
+  in bf16 (14 bytes an element; the foreach reference moves 38).
+- `_apply_kernel`: reads the momentum, parameter and bf16 update, writes buffer and parameter (18 bytes;
+  the reference 26), with one alpha per matrix.
+
+The lerps are written as torch.lerp computes them (weight < 0.5: a + w (b - a); else b - (b - a)(1 - w)).
+The kernels use no shared memory, so every GPU fits them (benchmarks/kernel_resources.py). Importing
+this module imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK, WARPS = 2048, 8
+
+
+@triton.jit
+def _block(blocks_ptr, BLOCK: tl.constexpr):
+    """(matrix index, the offsets of this program's elements in it)."""
+    pid = tl.program_id(0)
+    matrix = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
+    first = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
+    return matrix, first + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def _stage_kernel(table_ptr, blocks_ptr, one_minus_momentum, momentum, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    matrix, offs = _block(blocks_ptr, BLOCK)
+    row = table_ptr + matrix * 7  # grad, buf, out pointers; numel, cols, out row and column strides
+    grad = tl.load(row).to(tl.pointer_type(tl.float32))
+    buf = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    out = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
+    numel, cols = tl.load(row + 3), tl.load(row + 4)
+    out_rs, out_cs = tl.load(row + 5), tl.load(row + 6)
+    mask = offs < numel
+    g = tl.load(grad + offs, mask=mask, other=0.0)
+    b = tl.load(buf + offs, mask=mask, other=0.0)
+    m = b + one_minus_momentum * (g - b)
+    if NESTEROV:
+        u = m - (m - g) * (1.0 - momentum)
+    else:
+        u = m
+    tl.store(grad + offs, m, mask=mask)
+    tl.store(out + (offs // cols) * out_rs + (offs % cols) * out_cs, u.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _apply_kernel(table_ptr, alphas_ptr, blocks_ptr, decay, BLOCK: tl.constexpr):
+    matrix, offs = _block(blocks_ptr, BLOCK)
+    row = table_ptr + matrix * 8  # param, buf, momentum, update pointers; numel, cols, update strides
+    param = tl.load(row).to(tl.pointer_type(tl.float32))
+    buf = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    momentum = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    update = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
+    numel, cols = tl.load(row + 4), tl.load(row + 5)
+    up_rs, up_cs = tl.load(row + 6), tl.load(row + 7)
+    alpha = tl.load(alphas_ptr + matrix)
+    mask = offs < numel
+    tl.store(buf + offs, tl.load(momentum + offs, mask=mask), mask=mask)
+    u = tl.load(update + (offs // cols) * up_rs + (offs % cols) * up_cs, mask=mask).to(tl.float32)
+    decayed = tl.load(param + offs, mask=mask) * decay
+    tl.store(param + offs, decayed + alpha * u, mask=mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _block_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(programs, 2) int32: each program's (matrix, block index); the same for every step of a model."""
+    pairs = [(i, b) for i, n in enumerate(numels) for b in range(triton.cdiv(n, BLOCK))]
+    return torch.tensor(pairs, dtype=torch.int32).to(device)
+
+
+def _to_device(rows: list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    table = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":  # pinned: the copy is queued without waiting for the GPU
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
+def _check(fp32: list[list[torch.Tensor]], views: list[torch.Tensor]) -> None:
+    for group in fp32:
+        for t, v in zip(group, views):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != v.shape or t.dim() != 2:
+                raise ValueError(f"Muon's kernel takes contiguous fp32 matrices of the update's shape, got {t.shape}")
+    if any(v.dtype != torch.bfloat16 for v in views):
+        raise ValueError("Muon's kernel takes bf16 updates")
+
+
+def stage_momentum_(grads, bufs, outs, momentum: float, nesterov: bool) -> None:
+    _check([grads, bufs], outs)
+    device = grads[0].device
+    rows = [
+        [g.data_ptr(), b.data_ptr(), o.data_ptr(), g.numel(), g.size(1), *o.stride()]
+        for g, b, o in zip(grads, bufs, outs)
+    ]
+    blocks = _block_table(tuple(g.numel() for g in grads), device)
+    _stage_kernel[(blocks.size(0),)](
+        _to_device(rows, torch.int64, device), blocks, 1 - momentum, momentum,
+        NESTEROV=nesterov, BLOCK=BLOCK, num_warps=WARPS,
+    )  # fmt: skip
+
+
+def apply_updates_(params, bufs, momenta, updates, decay: float, alphas: list[float]) -> None:
+    _check([params, bufs, momenta], updates)
+    device = params[0].device
+    rows = [
+        [p.data_ptr(), b.data_ptr(), m.data_ptr(), u.data_ptr(), p.numel(), p.size(1), *u.stride()]
+        for p, b, m, u in zip(params, bufs, momenta, updates)
+    ]
+    blocks = _block_table(tuple(p.numel() for p in params), device)
+    _apply_kernel[(blocks.size(0),)](
+        _to_device(rows, torch.int64, device), _to_device([alphas], torch.float32, device)[0], blocks, decay,
+        BLOCK=BLOCK, num_warps=WARPS,
+    )  # fmt: skip

@@ -1,0 +1,141 @@
+"""Muon's element-wise Triton kernels under the Triton interpreter (CPU), against float64 and the reference.
+
+Not collected on its own (the name does not start with test_): test_muon_update.py runs it in a subprocess
+with TRITON_INTERPRET=1, set before triton is imported. Alone:
+    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/muon_update_cases.py
+The kernels reach their matrices through pointer tables, which the interpreter bounds check of
+gated_delta_triton_cases.py cannot follow: every tensor lies instead inside a larger one filled with a
+sentinel that no write may touch. The block is shrunk to 64 elements so that matrices take several
+programs and a ragged last one; the update views are a transposed slot, a padded slot and a plain tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from atma_titan.kernels.muon_update import (
+    apply_updates_,
+    apply_updates_reference_,
+    stage_momentum_,
+    stage_momentum_reference_,
+)
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_muon_update.py (sets TRITON_INTERPRET=1)"
+from atma_titan.kernels.muon_update import triton_muon  # noqa: E402  (after the check: it imports triton)
+
+SHAPES = [(3, 50), (20, 7), (9, 9)]  # 150, 140 and 81 elements: 3, 3 and 2 blocks of 64
+SENTINEL = 7.0
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    monkeypatch.setattr(triton_muon, "BLOCK", 64)
+    triton_muon._block_table.cache_clear()
+
+
+def fenced(shape, gen, dtype=torch.float32):
+    """A random tensor of `shape` in the middle of a sentinel-filled buffer, and the buffer."""
+    n = shape[0] * shape[1]
+    whole = torch.full((n + 200,), SENTINEL, dtype=dtype)
+    whole[100 : 100 + n] = torch.randn(n, generator=gen).to(dtype)
+    return whole[100 : 100 + n].view(shape), whole
+
+
+def update_views(gen, fill_random: bool):
+    """bf16 views of each shape: a transposed slot and a padded slot of one batch, and a plain tensor."""
+    batch = torch.full((2, 56, 16), SENTINEL, dtype=torch.bfloat16)
+    plain = torch.full((9 * 9 + 64,), SENTINEL, dtype=torch.bfloat16)
+    views = [batch[0, :50, :3].mT, batch[1, :20, :7], plain[32 : 32 + 81].view(9, 9)]
+    assert [tuple(v.shape) for v in views] == SHAPES and views[0].stride() == (1, 16)
+    if fill_random:
+        for v in views:
+            v.copy_(torch.randn(v.shape, generator=gen))
+    return views, [batch, plain]
+
+
+def untouched(buffers_before, buffers_after, inner):
+    """Every element of each buffer outside the `inner` views still holds what it held before."""
+    for before, after in zip(buffers_before, buffers_after):
+        outside = torch.ones_like(after, dtype=torch.bool)
+        for view in inner:
+            if view.untyped_storage().data_ptr() == after.untyped_storage().data_ptr():
+                offset = (view.data_ptr() - after.data_ptr()) // after.element_size()
+                index = torch.as_strided(torch.arange(after.numel()), view.shape, view.stride(), offset)
+                outside.view(-1)[index.reshape(-1)] = False
+        assert torch.equal(after[outside], before[outside])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_stage_writes_the_momentum_over_the_gradient_and_the_update_into_its_view(nesterov):
+    gen = torch.Generator().manual_seed(int(nesterov))
+    grads, grad_bufs = zip(*(fenced(s, gen) for s in SHAPES))
+    bufs, buf_bufs = zip(*(fenced(s, gen) for s in SHAPES))
+    outs, out_bufs = update_views(gen, fill_random=False)
+    g64, b64 = [g.double() for g in grads], [b.double() for b in bufs]
+    snapshot = [t.clone() for t in [*grad_bufs, *buf_bufs, *out_bufs]]
+
+    stage_momentum_(list(grads), list(bufs), outs, 0.95, nesterov, impl="triton")
+
+    for g, b, out, g_was, b_was in zip(grads, bufs, outs, g64, b64):
+        m = b_was + 0.05 * (g_was - b_was)
+        u = g_was + 0.95 * (m - g_was) if nesterov else m
+        torch.testing.assert_close(g.double(), m, rtol=1e-6, atol=1e-6)
+        # One bf16 step: the interpreter's cast truncates where the GPU's rounds to nearest.
+        torch.testing.assert_close(out.double(), u, rtol=2**-7, atol=1e-6)
+        assert torch.equal(b.double(), b_was)  # the buffer waits for the commit
+    untouched(snapshot, [*grad_bufs, *buf_bufs, *out_bufs], [*grads, *outs])
+
+    # The PyTorch reference gives the same values (it is what CPU training runs).
+    gen = torch.Generator().manual_seed(int(nesterov))
+    ref_grads, _ = zip(*(fenced(s, gen) for s in SHAPES))
+    ref_bufs, _ = zip(*(fenced(s, gen) for s in SHAPES))
+    ref_outs = [torch.empty(s, dtype=torch.bfloat16) for s in SHAPES]
+    stage_momentum_reference_(list(ref_grads), list(ref_bufs), ref_outs, 0.95, nesterov)
+    for g, r, out, ref_out in zip(grads, ref_grads, outs, ref_outs):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_apply_copies_the_momentum_decays_and_adds_each_matrix_its_own_alpha():
+    gen = torch.Generator().manual_seed(3)
+    params, param_bufs = zip(*(fenced(s, gen) for s in SHAPES))
+    bufs, buf_bufs = zip(*(fenced(s, gen) for s in SHAPES))
+    momenta, momentum_bufs = zip(*(fenced(s, gen) for s in SHAPES))
+    updates, update_bufs = update_views(gen, fill_random=True)
+    alphas = [-0.02, -0.02 * 2.5, -0.03]
+    p64 = [p.double() for p in params]
+    snapshot = [t.clone() for t in [*param_bufs, *buf_bufs, *momentum_bufs, *update_bufs]]
+
+    apply_updates_(list(params), list(bufs), list(momenta), updates, 0.9998, alphas, impl="triton")
+
+    for p, b, m, u, a, p_was in zip(params, bufs, momenta, updates, alphas, p64):
+        assert torch.equal(b, m)
+        torch.testing.assert_close(p.double(), p_was * 0.9998 + a * u.double(), rtol=1e-6, atol=1e-7)
+    untouched(snapshot, [*param_bufs, *buf_bufs, *momentum_bufs, *update_bufs], [*params, *bufs])
+
+    ref = [p_was.float() for p_was in p64]
+    apply_updates_reference_(ref, [torch.empty(s) for s in SHAPES], list(momenta), updates, 0.9998, alphas)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+def test_muon_through_the_kernels_equals_muon_through_the_reference():
+    from atma_titan.optim import Muon
+
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(s, generator=gen) for s in [(40, 24), (40, 24), (24, 40), (3, 50), (96, 40)]]
+    runs = []
+    for impl in ("triton", "reference"):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = Muon(params, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True, elementwise_impl=impl)
+        g = torch.Generator().manual_seed(6)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        runs.append(params)
+    for p, q in zip(*runs):  # bf16 Newton-Schulz of inputs one bf16 rounding apart (the interpreter truncates)
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-3)
