@@ -340,10 +340,13 @@ class Muon(torch.optim.Muon):
         return out
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, allowed: Callable[[], bool] | None = None):
+        """One step; with `allowed`, the step is staged first and committed only if allowed() (stage())."""
         if closure is not None:
             raise ValueError("Muon here takes no closure")
-        self.stage()()
+        commit = self.stage()
+        if allowed is None or allowed():
+            commit()
         return None
 
     @torch.no_grad()
@@ -439,27 +442,33 @@ class Optimizers:
 
         `allowed()` may wait for the GPU (the trainer reads the step's loss and gradient norm there: the
         NaN policy). What does not depend on the answer is queued before it is asked, so the GPU has work
-        while the host waits: Muon's staged half (Muon.stage), and the whole of a fused AdamW when `skip`
-        is given (a float scalar on the parameters' device, 1.0 where the step must not update), whose
-        kernel then leaves parameters and state as they are on the device itself (found_inf, as under a
-        GradScaler). The rest runs after a yes."""
-        commits = []
+        while the host waits: the whole of a fused AdamW when `skip` is given (a float scalar on the
+        parameters' device, 1.0 where the step must not update), whose kernel then leaves parameters and
+        state as they are on the device itself (found_inf, as under a GradScaler); and Muon's staged half
+        (Muon.stage: momentum and Newton-Schulz), which Muon.step commits after a yes. Every optimizer
+        goes through its step(), which LR schedulers track."""
+        answers: list[bool] = []
+
+        def ask() -> bool:
+            if not answers:
+                answers.append(bool(allowed()))
+            return answers[0]
+
+        on_device = [o for o in self.optimizers if skip is not None and o.defaults.get("fused")]
+        for opt in on_device:
+            opt.found_inf = skip
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
         for opt in self.optimizers:
             if isinstance(opt, Muon):
-                commits.append(opt.stage())
-            elif skip is not None and opt.defaults.get("fused"):
-                opt.found_inf = skip
-                try:
+                opt.step(allowed=ask)
+        if ask():
+            for opt in self.optimizers:
+                if not isinstance(opt, Muon) and opt not in on_device:
                     opt.step()
-                finally:
-                    del opt.found_inf
-            else:
-                commits.append(opt.step)
-        go = allowed()
-        if go:
-            for commit in commits:
-                commit()
-        return go
+        return ask()
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

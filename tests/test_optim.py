@@ -266,3 +266,21 @@ def test_copy_to_host_waits_for_its_copy_not_for_the_work_queued_after_it():
     assert not queued_work_done.query()  # the host has its values while the GPU still works
     assert first == 1.5 and math.isnan(second)
     torch.cuda.synchronize()
+
+
+def test_lr_schedules_see_every_optimizer_step_through_the_staged_path():
+    """torch's LR scheduler warns when its step comes before the optimizer's step() (CI caught it once:
+    the staged Muon bypassed step())."""
+    import warnings
+
+    from atma_titan.optim import LRSchedules
+
+    ours, params = _muon_and_fused_adamw()
+    schedules = LRSchedules(ours, LRScheduler(name="constant_then_linear", decay_start=0.5), 10)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ours.step(lambda: True, skip=torch.tensor(0.0))
+        schedules.step()
+    assert all(opt._opt_called for opt in ours.optimizers)
