@@ -47,7 +47,7 @@ def test_muon_steps_through_the_kernels_on_the_gpu_as_through_the_reference():
             opt.step()
         runs.append((params, [opt.state[p]["momentum_buffer"] for p in params]))
         torch.manual_seed(0)
-    for p, q in zip(runs[0][0], runs[1][0]):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    for p, q in zip(runs[0][0], runs[1][0]):  # a wrong update is off by ~lr = 0.02; a bf16 rounding by far less
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-4)
     for a, b in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
