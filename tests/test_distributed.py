@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from distributed_utils import TINY, losses, run_trainer
 
@@ -142,6 +143,30 @@ def test_nan_loss_aborts_with_last_checkpoint_intact(tmp_path):
         )
     )
     assert "skipping this update" in proc.stdout and list(losses(tmp_path / "skip")) == [1, 2, 3, 4]
+
+
+def test_a_skipped_step_leaves_the_weights_of_the_step_before(tmp_path):
+    """nan_policy = "skip" on two FSDP ranks: Muon stages the non-finite step (momentum, Newton-Schulz, the
+    owner exchanges) before the trainer reads its loss, then drops it; the weights after step 3 are those
+    after step 2, bit for bit."""
+    from safetensors.torch import load_file
+
+    common = [*TINY, "--checkpoint.enable", "true", "--checkpoint.export_safetensors", "true"]
+    common += ["--lr_scheduler.decay_start", "1.0"]  # the lr of steps 1-2 must not depend on the run's length
+    ok(run_trainer(2, *common, "--training.steps", "2", "--job.dump_folder", str(tmp_path / "two")))
+    skipped = ok(
+        run_trainer(
+            2,
+            *common,
+            *["--training.steps", "3", "--debug.nan_at_step", "3", "--training.nan_policy", "skip"],
+            *["--job.dump_folder", str(tmp_path / "skip")],
+        )
+    )
+    assert "step 3: loss nan" in skipped.stdout and "skipping this update" in skipped.stdout
+    before = load_file(tmp_path / "two" / "model.safetensors")
+    after = load_file(tmp_path / "skip" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_world_size_that_does_not_factor_is_a_clear_error(tmp_path):
