@@ -192,16 +192,9 @@ def is_whole(u: torch.Tensor) -> bool:
     return dim is not None and u.device_mesh.size(dim) == 1
 
 
-def full_or_local(u: torch.Tensor, gather: bool) -> torch.Tensor:
-    """The plain tensor behind `u`: its all-gathered whole, or this rank's local tensor."""
-    if not isinstance(u, DTensor):
-        return u
-    return u.full_tensor() if gather else u.to_local()
-
-
 def local_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's local shard (a view: in-place updates reach the DTensor), plain tensors as they are."""
-    return [full_or_local(t, gather=False) for t in tensors]
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 @dataclass(frozen=True)
@@ -301,22 +294,18 @@ class Muon(torch.optim.Muon):
             self._exchanges[key] = ShardExchange.plan(shapes, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim), steps)
         return self._exchanges[key]
 
-    def _orthogonalize(self, updates: list[torch.Tensor], steps: int, eps: float) -> list[torch.Tensor]:
-        """Each update's orthogonalised rows on this rank, as a plain bf16 tensor (the whole matrix when
-        unsharded)."""
-        whole: list[int] = []  # orthogonalised whole here: plain, single-rank and all-gathered updates
-        gathered: set[int] = set()
+    def _orthogonalize_sharded(self, updates: list[DTensor], steps: int, eps: float) -> list[torch.Tensor]:
+        """Each sharded update's orthogonalised rows on this rank, as a plain bf16 tensor: a row-sharded
+        matrix through its owner (ShardExchange), any other layout all-gathered and orthogonalised here."""
+        gathered: list[int] = []  # every rank holds these whole after the all-gather
         groups: dict[tuple, list[int]] = {}  # row-sharded updates by (mesh, shard dim)
         for i, u in enumerate(updates):
-            dim = row_sharded_dim(u) if isinstance(u, DTensor) else None
-            if is_whole(u):
-                whole.append(i)
-            elif dim is not None:
-                groups.setdefault((u.device_mesh, dim), []).append(i)
+            dim = row_sharded_dim(u)
+            if dim is None:
+                gathered.append(i)
             else:
-                whole.append(i)
-                gathered.add(i)
-        inputs = [full_or_local(updates[i], gather=i in gathered) for i in whole]
+                groups.setdefault((u.device_mesh, dim), []).append(i)
+        inputs = [updates[i].full_tensor() for i in gathered]
         exchanges = []
         # Every rank has the same parameters with gradients in the same order (FSDP2 reduces them all), so
         # the ranks of a shard group build the same plan and their all-to-alls match.
@@ -327,11 +316,9 @@ class Muon(torch.optim.Muon):
             inputs += owned
         done = orthogonalize_all(inputs, steps, eps)  # one batched pass over this rank's whole matrices
         out: list[torch.Tensor] = [None] * len(updates)  # type: ignore[list-item]
-        for i, f in zip(whole, done):
-            if i in gathered:  # every rank holds `f`: slicing needs no communication
-                f = distribute_tensor(f, updates[i].device_mesh, updates[i].placements, src_data_rank=None).to_local()
-            out[i] = f
-        first = len(whole)
+        for i, f in zip(gathered, done):  # slicing a result every rank holds needs no communication
+            out[i] = distribute_tensor(f, updates[i].device_mesh, updates[i].placements, src_data_rank=None).to_local()
+        first = len(gathered)
         for members, plan, group, n_owned in exchanges:
             device = updates[members[0]].device
             for i, rows in zip(members, plan.scatter_back(done[first : first + n_owned], group, device)):
@@ -379,9 +366,11 @@ class Muon(torch.optim.Muon):
         bufs = local_tensors([self.state[p]["momentum_buffer"] for p in params])
         local_grads = local_tensors(grads)
         # The bf16 updates: a matrix whole on this rank straight into its Newton-Schulz batch slot, a sharded
-        # one into its own tensor (exchanged between ranks or gathered, _orthogonalize).
-        whole = [i for i, g in enumerate(grads) if is_whole(g)]
-        sharded = [i for i, g in enumerate(grads) if not is_whole(g)]
+        # one into its own tensor (exchanged between ranks or gathered, _orthogonalize_sharded).
+        whole: list[int] = []
+        sharded: list[int] = []
+        for i, g in enumerate(grads):
+            (whole if is_whole(g) else sharded).append(i)
         batches = UpdateBatches([tuple(local_grads[i].shape) for i in whole], local_grads[0].device)
         outs: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for i, slot in zip(whole, batches.slots):
@@ -399,7 +388,7 @@ class Muon(torch.optim.Muon):
                                    shape=grads[i].shape, stride=grads[i].stride())
                 for i in sharded
             ]  # fmt: skip
-            for i, x in zip(sharded, self._orthogonalize(updates, group["ns_steps"], group["eps"])):
+            for i, x in zip(sharded, self._orthogonalize_sharded(updates, group["ns_steps"], group["eps"])):
                 orthogonal[i] = x
         # torch.optim.Muon's scale: by the matrix's aspect ratio.
         alphas = [-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) for p in params]

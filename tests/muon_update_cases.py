@@ -33,7 +33,6 @@ SENTINEL = 7.0
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     monkeypatch.setattr(triton_muon, "BLOCK", 64)
-    triton_muon._block_table.cache_clear()
 
 
 def fenced(shape, gen, dtype=torch.float32):

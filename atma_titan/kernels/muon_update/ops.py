@@ -17,12 +17,13 @@ from atma_titan.kernels.muon_update.reference import apply_updates_reference_, s
 __all__ = ["apply_updates_", "stage_momentum_"]
 
 
-def _kernels(device: torch.device, impl: str, what: str, tensors: list[torch.Tensor]):
-    if not tensors or tensors[0].dtype != torch.float32 or not backends.use_triton(impl, device, what):
+def _kernels(tensors: list[torch.Tensor], impl: str, what: str):
+    """The Triton module for fp32 matrices where `impl` takes the kernel, else None (the reference)."""
+    if not tensors or tensors[0].dtype != torch.float32 or not backends.use_triton(impl, tensors[0].device, what):
         return None
     return backends.kernel_module(
         "atma_titan.kernels.muon_update.triton_muon",
-        device,
+        tensors[0].device,
         kernel="Muon's element-wise kernel",
         probe="_stage_kernel",
         reference="impl='reference'",
@@ -40,7 +41,7 @@ def stage_momentum_(
     what: str = "impl",
 ) -> None:
     """Write each matrix's new momentum over its gradient and its update into `outs` (reference.py)."""
-    kernels = _kernels(grads[0].device if grads else torch.device("cpu"), impl, what, grads)
+    kernels = _kernels(grads, impl, what)
     if kernels is None:
         return stage_momentum_reference_(grads, bufs, outs, momentum, nesterov)
     kernels.stage_momentum_(grads, bufs, outs, momentum, nesterov)
@@ -58,7 +59,7 @@ def apply_updates_(
     what: str = "impl",
 ) -> None:
     """Copy each momentum into its buffer and add alpha * update to the decayed parameter (reference.py)."""
-    kernels = _kernels(params[0].device if params else torch.device("cpu"), impl, what, params)
+    kernels = _kernels(params, impl, what)
     if kernels is None:
         return apply_updates_reference_(params, bufs, momenta, updates, decay, alphas)
     kernels.apply_updates_(params, bufs, momenta, updates, decay, alphas)

@@ -76,9 +76,9 @@ def _apply_kernel(table_ptr, alphas_ptr, blocks_ptr, decay, BLOCK: tl.constexpr)
 
 
 @functools.lru_cache(maxsize=16)
-def _block_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _block_table(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
     """(programs, 2) int32: each program's (matrix, block index); the same for every step of a model."""
-    pairs = [(i, b) for i, n in enumerate(numels) for b in range(triton.cdiv(n, BLOCK))]
+    pairs = [(i, b) for i, n in enumerate(numels) for b in range(triton.cdiv(n, block))]
     return torch.tensor(pairs, dtype=torch.int32).to(device)
 
 
@@ -105,7 +105,7 @@ def stage_momentum_(grads, bufs, outs, momentum: float, nesterov: bool) -> None:
         [g.data_ptr(), b.data_ptr(), o.data_ptr(), g.numel(), g.size(1), *o.stride()]
         for g, b, o in zip(grads, bufs, outs)
     ]
-    blocks = _block_table(tuple(g.numel() for g in grads), device)
+    blocks = _block_table(tuple(g.numel() for g in grads), BLOCK, device)
     _stage_kernel[(blocks.size(0),)](
         _to_device(rows, torch.int64, device), blocks, 1 - momentum, momentum,
         NESTEROV=nesterov, BLOCK=BLOCK, num_warps=WARPS,
@@ -119,7 +119,7 @@ def apply_updates_(params, bufs, momenta, updates, decay: float, alphas: list[fl
         [p.data_ptr(), b.data_ptr(), m.data_ptr(), u.data_ptr(), p.numel(), p.size(1), *u.stride()]
         for p, b, m, u in zip(params, bufs, momenta, updates)
     ]
-    blocks = _block_table(tuple(p.numel() for p in params), device)
+    blocks = _block_table(tuple(p.numel() for p in params), BLOCK, device)
     _apply_kernel[(blocks.size(0),)](
         _to_device(rows, torch.int64, device), _to_device([alphas], torch.float32, device)[0], blocks, decay,
         BLOCK=BLOCK, num_warps=WARPS,
