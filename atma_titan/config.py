@@ -90,6 +90,11 @@ class Training:
     loss_chunk_mib: float = opt(
         DEFAULT_CHUNK_MIB, "loss = fused: fp32 logits per chunk of tokens, in MiB (larger chunks are faster)."
     )
+    gc_interval: int = opt(
+        50,
+        "Python garbage collection: off during the loop, the young generations collected every N steps on every "
+        "rank at once (atma_titan/gc_schedule.py); 0 = Python's automatic collection.",
+    )
 
 
 @dataclass
@@ -450,6 +455,7 @@ def validate(cfg: JobConfig) -> None:
     )
     need(t.max_norm >= 0, "training.max_norm", t.max_norm, ">= 0")
     need(t.loss_chunk_mib > 0, "training.loss_chunk_mib", t.loss_chunk_mib, "a number > 0")
+    need(t.gc_interval >= 0, "training.gc_interval", t.gc_interval, "an integer >= 0 (0 = automatic collection)")
     need(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, "an integer >= 1")
     need(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "an integer >= 0")
     need(cfg.data.recall_weight > 0, "data.recall_weight", cfg.data.recall_weight, "a number > 0")

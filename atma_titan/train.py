@@ -42,6 +42,7 @@ from atma_titan.device import cap_device_memory, copy_to_host, resolve_device
 from atma_titan.errors import InputError, import_optional
 from atma_titan.faults import FaultInjector
 from atma_titan.folder_lock import lock_run_folder
+from atma_titan.gc_schedule import GCSchedule
 from atma_titan.hf.load import HF_CONFIG, load_hf_weights
 from atma_titan.known_warnings import silence_known_warnings
 from atma_titan.metrics import (
@@ -776,12 +777,15 @@ def run_loop(run: Run) -> dict:
     else:
         run.say(f"training steps {run.state.step + 1}..{steps}")
     run.model.train()
-    while run.state.step < steps:
-        run.stop.check_launcher()  # torchrun gone (where no SIGTERM came): a stop request like any other
-        if after_step(run, train_step(run)):
-            run.checkpointer.wait()
-            say_stopped(run)
-            return run.last
+    with GCSchedule(run.cfg.training.gc_interval) as gc_schedule:
+        while run.state.step < steps:
+            run.stop.check_launcher()  # torchrun gone (where no SIGTERM came): a stop request like any other
+            stop = after_step(run, train_step(run))
+            gc_schedule.step(run.state.step)
+            if stop:
+                run.checkpointer.wait()
+                say_stopped(run)
+                return run.last
     return finish(run)
 
 

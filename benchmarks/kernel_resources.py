@@ -4,9 +4,9 @@
                                           [--jobs 2] [--out benchmarks/results/kernel_resources.json]
 
 Needs no GPU. The host launchers of the Polar attention (forward, backward, paged decode), gated
-delta memory (chunked forward / backward, decode step), LM-head cross-entropy and Muon kernels are called at
-the flavor's shapes with tensors on the meta device (bf16 activations, fp32 gates and states, as the
-model passes them) and their launches recorded instead of run; every config of each kernel's list
+delta memory (chunked forward / backward, decode step), LM-head cross-entropy, MLP GLU backward and Muon
+kernels are called at the flavor's shapes with tensors on the meta device (bf16 activations, fp32 gates
+and states, as the model passes them) and their launches recorded instead of run; every config of each kernel's list
 (the autotune list, the decode tile candidates, or the one fixed config) is then compiled ahead of time
 for each compute capability (`atma_titan.kernels.resources`): shared memory per block from the
 compiler, registers and spill stack bytes per thread from the cubin. A config fits a target when its
@@ -219,6 +219,19 @@ def muon_update_cases(flavor: str) -> list[Case]:
             for launch in launches]  # fmt: skip
 
 
+def glu_cases(flavor: str, seq_len: int) -> list[Case]:
+    """The MLP's GLU backward over one recipe micro-batch of 16 sequences (models/layers.py, kernels/glu)."""
+    from atma_titan.kernels.glu import triton_glu
+    from atma_titan.models.flavors import FLAVORS
+
+    args, tokens = FLAVORS[flavor], 16 * seq_len
+    fc, dh = _meta(tokens, 2 * args.mlp_hidden), _meta(tokens, args.mlp_hidden)
+    with resources.recorded_launches(triton_glu, ["_glu_bwd_kernel"]) as launches:
+        triton_glu.glu_backward(fc, dh, args.mlp)
+    note = f"{tokens:,} tokens x hidden {args.mlp_hidden:,} ({args.mlp})"
+    return [Case("glu.bwd", _tuned_rows(launch), note) for launch in launches]
+
+
 def model_cases(flavor: str = "atma_370m", seq_len: int = 2048) -> list[Case]:
     """Every kernel the flavor's model and its training launch (training, prefill and decode), at its shapes."""
     shapes = model_shapes(flavor)
@@ -228,6 +241,7 @@ def model_cases(flavor: str = "atma_370m", seq_len: int = 2048) -> list[Case]:
         *gated_delta_cases(shapes, seq_len),
         *softcap_ce_cases(flavor),
         *muon_update_cases(flavor),
+        *glu_cases(flavor, seq_len),
     ]
 
 

@@ -27,7 +27,7 @@ class Block(nn.Module):
         self.norm1 = RMSNorm(args.d_model, args.norm_eps)
         self.mixer = GlobalAttention(args) if self.is_global else GatedShortConv(args)
         self.norm2 = RMSNorm(args.d_model, args.norm_eps)
-        self.mlp = MLP(args.d_model, args.mlp_hidden, args.mlp)
+        self.mlp = MLP(args.d_model, args.mlp_hidden, args.mlp, args.mlp_impl)
 
     def forward(self, h: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         mixed, aux = self.mixer(self.norm1(h), cache)

@@ -77,6 +77,11 @@ class ModelArgs:
         "auto",
         ("auto", "triton", "reference", "fla"),
     )
+    mlp_impl: str = arg(
+        "MLP backward's GLU pass: auto (Triton on CUDA, PyTorch elsewhere), triton, reference",
+        "auto",
+        ("auto", "triton", "reference"),
+    )
     loss_impl: str = arg(
         "Fused LM-head loss's cross-entropy: auto (Triton on CUDA, PyTorch elsewhere), triton, reference",
         "auto",

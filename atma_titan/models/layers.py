@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atma_titan.kernels.glu import check_kind, glu, glu_backward
+
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMS-normalise the last dimension in fp32 (no learned weight); returns x's dtype."""
@@ -81,15 +83,50 @@ def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None)
 
 
 class MLP(nn.Module):
-    """GLU MLP: `[a, g] = fc(x)`; relu2: `proj(g * relu(a)^2)`; swiglu: `proj(g * silu(a))`."""
+    """GLU MLP: `[a, g] = fc(x)`; relu2: `proj(g * relu(a)^2)`; swiglu: `proj(g * silu(a))`.
 
-    def __init__(self, d_model: int, hidden: int, kind: str = "relu2"):
+    When gradients flow, the backward is `_GLUMLP`'s: one pass over [a, g] and dh (atma_titan.kernels.glu,
+    by `impl`) gives the GLU's gradient, h for proj's weight gradient and fc's bias gradient.
+    """
+
+    def __init__(self, d_model: int, hidden: int, kind: str = "relu2", impl: str = "auto"):
         super().__init__()
-        self.kind = kind
+        check_kind(kind)
+        self.kind, self.impl = kind, impl
         self.fc = nn.Linear(d_model, 2 * hidden)
         self.proj = nn.Linear(hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, g = self.fc(x).chunk(2, dim=-1)
-        act = F.relu(a).square() if self.kind == "relu2" else F.silu(a)
-        return self.proj(g * act)
+        weights = (self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias)
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+            return _GLUMLP.apply(x, *weights, self.kind, self.impl)
+        return self.proj(glu(self.fc(x), self.kind))
+
+
+class _GLUMLP(torch.autograd.Function):
+    """proj(glu(fc(x))) with a hand-written backward, so that h is neither saved nor recomputed apart:
+
+        dh = dout @ W_proj;  (dfc, h, db_fc) = glu_backward(fc, dh);  dW_proj = dout^T h;  dW_fc = dfc^T x
+
+    fc (the up-projection's output) and x are saved, as autograd would (selective AC keeps fc, a matmul's
+    output, and recomputes x). The matmuls run in fc's dtype: under autocast the forward's, as autograd's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, kind: str, impl: str):
+        fc = F.linear(x, fc_weight, fc_bias)
+        ctx.save_for_backward(x, fc, fc_weight, proj_weight)
+        ctx.kind, ctx.impl = kind, impl
+        return F.linear(glu(fc, kind), proj_weight, proj_bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, fc, fc_weight, proj_weight = ctx.saved_tensors
+        dtype = fc.dtype
+        dout = dout.reshape(-1, dout.shape[-1]).to(dtype)
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        dfc, h, fc_bias_grad = glu_backward(
+            fc.reshape(-1, fc.shape[-1]), dout @ proj_weight.to(dtype), ctx.kind, impl=ctx.impl, what="model.mlp_impl"
+        )
+        dx = (dfc @ fc_weight.to(dtype)).view(x.shape)
+        return dx, dfc.t() @ x2, fc_bias_grad.to(dtype), dout.t() @ h, dout.sum(0), None, None

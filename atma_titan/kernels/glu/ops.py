@@ -1,0 +1,48 @@
+"""The MLP's GLU backward by impl (auto | triton | reference, kernels/backends.py), and its torch.library op.
+
+    atma::glu_backward(fc, dh, kind) -> (dfc, h, bias_grad)
+
+A custom_op, opaque to torch.compile (as the other kernels' ops, it compiles with fullgraph=True on CUDA
+and on CPU); the reference is plain PyTorch, which Inductor fuses where it runs compiled. Triton
+(triton_glu.py) is imported on the first kernel call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atma_titan.kernels import backends
+from atma_titan.kernels.glu.reference import check_kind, glu_backward_reference
+
+__all__ = ["glu_backward"]
+
+
+def _kernels(device: torch.device):
+    return backends.kernel_module(
+        "atma_titan.kernels.glu.triton_glu",
+        device,
+        kernel="the GLU backward kernel",
+        probe="_glu_bwd_kernel",
+        reference="impl='reference'",
+    )
+
+
+@torch.library.custom_op("atma::glu_backward", mutates_args=())
+def _glu_backward_op(fc: torch.Tensor, dh: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kernels(fc.device).glu_backward(fc, dh, kind)
+
+
+@_glu_backward_op.register_fake
+def _glu_backward_fake(fc, dh, kind):
+    return torch.empty_like(fc), torch.empty_like(dh), fc.new_empty(fc.shape[-1], dtype=torch.float32)
+
+
+def glu_backward(
+    fc: torch.Tensor, dh: torch.Tensor, kind: str, *, impl: str = "auto", what: str = "impl"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dfc, h, column sums of dfc) for fc (M, 2N) and dh (M, N) (reference.py). The Triton kernel takes
+    bf16 / fp16 / fp32 and returns the sums in fp32; auto keeps fp64 (the tests) on the reference."""
+    check_kind(kind)
+    if not (impl == "auto" and fc.dtype == torch.float64) and backends.use_triton(impl, fc.device, what):
+        return torch.ops.atma.glu_backward(fc.contiguous(), dh.contiguous(), kind)
+    return glu_backward_reference(fc, dh, kind)

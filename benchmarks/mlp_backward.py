@@ -1,0 +1,118 @@
+"""The MLP's forward and backward as training runs it (compiled, under selective AC), with autograd's backward
+of `proj(glu(fc(x)))` and with `_GLUMLP`'s (one GLU pass, atma_titan.kernels.glu), same weights, one run;
+then the GLU backward kernel alone against its compiled PyTorch reference, over a few tile configs.
+
+    python benchmarks/mlp_backward.py [--flavor atma_370m] [--tokens 32768] [--out benchmarks/results/]
+
+Times are medians of CUDA-event timings (20 repetitions after 3 warm-ups). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from atma_titan.kernels.glu import glu, glu_backward_reference
+from atma_titan.models.flavors import FLAVORS
+from atma_titan.models.layers import MLP
+from atma_titan.parallel.parallelize import selective_policy
+
+
+class AutogradMLP(MLP):
+    """The MLP before the hand-written backward: autograd differentiates proj(glu(fc(x)))."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(glu(self.fc(x), self.kind))
+
+
+def as_training_runs(module: nn.Module) -> nn.Module:
+    context = functools.partial(create_selective_checkpoint_contexts, selective_policy())
+    return torch.compile(checkpoint_wrapper(module, context_fn=context), fullgraph=True)
+
+
+def median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default="atma_370m")
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/mlp_backward.py needs a GPU")
+    flavor = FLAVORS[args.flavor]
+    d, hidden, kind = flavor.d_model, flavor.mlp_hidden, flavor.mlp
+    torch.manual_seed(0)
+    x = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    base = AutogradMLP(d, hidden, kind).cuda().bfloat16()
+    for name, module in [
+        ("autograd backward", base),
+        ("GLU pass, PyTorch (compiled)", MLP(d, hidden, kind, "reference")),
+        ("GLU pass, Triton kernel", MLP(d, hidden, kind, "triton")),
+    ]:
+        module = module.cuda().bfloat16()
+        module.load_state_dict(base.state_dict())
+        step = as_training_runs(module)
+        ms = median_ms(lambda: step(x).backward(dout))
+        rows.append({"mlp": name, "forward_backward_ms": ms})
+    for row in rows:
+        row["vs_autograd"] = rows[0]["forward_backward_ms"] / row["forward_backward_ms"]
+        print(f"{row['mlp']:32s} {row['forward_backward_ms']:8.3f} ms  {row['vs_autograd']:.3f}x")
+
+    from atma_titan.kernels.glu import triton_glu
+
+    fc = torch.randn(args.tokens, 2 * hidden, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(args.tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    moved = 3 * fc.numel() * fc.element_size() + 2 * dh.numel() * dh.element_size()  # read a, g, dh; write da, dg, h
+    compiled_reference = torch.compile(glu_backward_reference, fullgraph=True)
+    kernels = [{"kernel": "compiled PyTorch reference", "ms": median_ms(lambda: compiled_reference(fc, dh, kind))}]
+    default = (triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS, triton_glu.ROWS_PER_PROGRAM)
+    configs = [default, (32, 128, 8, 1024), (16, 128, 8, 1024), (32, 256, 8, 1024), (64, 128, 8, 1024),
+               (32, 128, 4, 1024), (32, 128, 4, 2048), (32, 128, 8, 512), (16, 256, 8, 2048)]  # fmt: skip
+    for block_m, block_n, warps, rows_per_program in configs:
+        triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS = block_m, block_n, warps
+        ms = median_ms(lambda: triton_glu.glu_backward(fc, dh, kind, rows_per_program))
+        kernels.append({"kernel": f"Triton {block_m}x{block_n}, {warps} warps, {rows_per_program} rows", "ms": ms})
+    triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS = default[:3]
+    for row in kernels:
+        row["tb_per_s"] = moved / row["ms"] / 1e9
+        row["vs_reference"] = kernels[0]["ms"] / row["ms"]
+        print(f"{row['kernel']:48s} {row['ms']:7.3f} ms  {row['tb_per_s']:.2f} TB/s  {row['vs_reference']:.2f}x")
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": {"tokens": args.tokens, "d_model": d, "hidden": hidden, "kind": kind},
+        "repetitions": 20,
+        "mlp": rows,
+        "kernel": kernels,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"mlp_backward-{torch.cuda.get_device_name().split()[-1].lower()}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
