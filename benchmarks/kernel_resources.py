@@ -225,9 +225,9 @@ def glu_cases(flavor: str, seq_len: int) -> list[Case]:
     from atma_titan.models.flavors import FLAVORS
 
     args, tokens = FLAVORS[flavor], 16 * seq_len
-    fc, dh = _meta(tokens, 2 * args.mlp_hidden), _meta(tokens, args.mlp_hidden)
+    fc, dh, bias = _meta(tokens, 2 * args.mlp_hidden), _meta(tokens, args.mlp_hidden), _meta(2 * args.mlp_hidden)
     with resources.recorded_launches(triton_glu, ["_glu_bwd_kernel"]) as launches:
-        triton_glu.glu_backward(fc, dh, args.mlp)
+        triton_glu.glu_backward(fc, dh, args.mlp, bias)
     note = f"{tokens:,} tokens x hidden {args.mlp_hidden:,} ({args.mlp})"
     return [Case("glu.bwd", _tuned_rows(launch), note) for launch in launches]
 

@@ -85,15 +85,18 @@ def main() -> None:
 
     fc = torch.randn(args.tokens, 2 * hidden, device="cuda", dtype=torch.bfloat16)
     dh = torch.randn(args.tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(2 * hidden, device="cuda", dtype=torch.bfloat16)
     moved = 3 * fc.numel() * fc.element_size() + 2 * dh.numel() * dh.element_size()  # read a, g, dh; write da, dg, h
     compiled_reference = torch.compile(glu_backward_reference, fullgraph=True)
-    kernels = [{"kernel": "compiled PyTorch reference", "ms": median_ms(lambda: compiled_reference(fc, dh, kind))}]
+    kernels = [
+        {"kernel": "compiled PyTorch reference", "ms": median_ms(lambda: compiled_reference(fc, dh, kind, bias))}
+    ]
     default = (triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS, triton_glu.ROWS_PER_PROGRAM)
     configs = [default, (32, 128, 8, 1024), (16, 128, 8, 1024), (32, 256, 8, 1024), (64, 128, 8, 1024),
                (32, 128, 4, 1024), (32, 128, 4, 2048), (32, 128, 8, 512), (16, 256, 8, 2048)]  # fmt: skip
     for block_m, block_n, warps, rows_per_program in configs:
         triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS = block_m, block_n, warps
-        ms = median_ms(lambda: triton_glu.glu_backward(fc, dh, kind, rows_per_program))
+        ms = median_ms(lambda: triton_glu.glu_backward(fc, dh, kind, bias, rows_per_program=rows_per_program))
         kernels.append({"kernel": f"Triton {block_m}x{block_n}, {warps} warps, {rows_per_program} rows", "ms": ms})
     triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS = default[:3]
     for row in kernels:

@@ -31,14 +31,17 @@ def _checked(monkeypatch):
         yield
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("kind", ["relu2", "swiglu"])
 @pytest.mark.parametrize("rows, hidden", [(37, 40), (5, 16), (1, 3), (0, 8)])
-def test_the_kernel_matches_float64(kind, rows, hidden):
+def test_the_kernel_matches_float64(kind, rows, hidden, with_bias):
     g = torch.Generator().manual_seed(rows + hidden)
     fc = torch.randn(rows, 2 * hidden, generator=g, dtype=torch.float64)
     dh = torch.randn(rows, hidden, generator=g, dtype=torch.float64)
-    want_dfc, want_h, want_bias = glu_backward_reference(fc, dh, kind)
-    dfc, h, bias = glu_backward(fc.float(), dh.float(), kind, impl="triton")
+    fc_bias = torch.randn(2 * hidden, generator=g, dtype=torch.float64) if with_bias else None
+    want_dfc, want_h, want_bias = glu_backward_reference(fc, dh, kind, fc_bias)
+    as_fp32 = None if fc_bias is None else fc_bias.float()
+    dfc, h, bias = glu_backward(fc.float(), dh.float(), kind, as_fp32, impl="triton")
     assert (dfc.dtype, h.dtype, bias.dtype) == (torch.float32, torch.float32, torch.float32)
     torch.testing.assert_close(dfc.double(), want_dfc, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h.double(), want_h, rtol=1e-5, atol=1e-5)
@@ -49,8 +52,9 @@ def test_bf16_input_comes_back_in_bf16_with_fp32_column_sums():
     g = torch.Generator().manual_seed(1)
     fc = torch.randn(37, 80, generator=g).bfloat16()
     dh = torch.randn(37, 40, generator=g).bfloat16()
-    want_dfc, want_h, want_bias = glu_backward_reference(fc.double(), dh.double(), "relu2")
-    dfc, h, bias = glu_backward(fc, dh, "relu2", impl="triton")
+    fc_bias = torch.randn(80, generator=g).bfloat16()
+    want_dfc, want_h, want_bias = glu_backward_reference(fc.double(), dh.double(), "relu2", fc_bias.double())
+    dfc, h, bias = glu_backward(fc, dh, "relu2", fc_bias, impl="triton")
     assert (dfc.dtype, h.dtype, bias.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
     # the interpreter truncates on the cast to bf16 where a GPU rounds: allow one bf16 step
     torch.testing.assert_close(dfc.double(), want_dfc, rtol=2**-7, atol=1e-6)

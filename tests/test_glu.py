@@ -42,14 +42,15 @@ def autograd_mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["relu2", "swiglu"])
 def test_the_reference_is_autograds_gradient(kind):
-    fc = torch.randn(13, 16, dtype=torch.float64, requires_grad=True)
-    h = glu(fc, kind)
+    u = torch.randn(13, 16, dtype=torch.float64, requires_grad=True)
+    fc_bias = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    h = glu(u + fc_bias, kind)
     dh = torch.randn_like(h)
-    (want,) = torch.autograd.grad(h, fc, dh)
-    dfc, h_again, bias = glu_backward_reference(fc.detach(), dh, kind)
+    want, want_bias = torch.autograd.grad(h, [u, fc_bias], dh)
+    dfc, h_again, bias = glu_backward_reference(u.detach(), dh, kind, fc_bias.detach())
     torch.testing.assert_close(dfc, want)
     torch.testing.assert_close(h_again, h.detach())
-    torch.testing.assert_close(bias, want.sum(0))
+    torch.testing.assert_close(bias, want_bias)
 
 
 @pytest.mark.parametrize("kind", ["relu2", "swiglu"])
@@ -77,6 +78,20 @@ def test_the_mlp_takes_the_glu_pass_only_when_gradients_flow(monkeypatch):
     mlp.requires_grad_(False)
     mlp(x.detach())
     assert mlp(x).grad_fn is not None and len(calls) == 1
+
+
+def test_the_function_saves_only_its_inputs_and_fcs_matmul_stays_outside_it():
+    """A compiled checkpoint tags the ops it may recompute, but not those inside an autograd.Function: on the
+    H200 a Function that ran fc's matmul itself made full AC keep fc (256 MiB a block at micro-batch 8).
+    So the Function saves only inputs: u (fc's matmul, done outside it), fc's bias and proj's weight."""
+    mlp, x = mlp_and_input("relu2")
+    node = mlp(x).grad_fn
+    assert type(node).__name__ == "_GLUMLPBackward"
+    u, fc_bias, proj_weight = node.saved_tensors
+    assert fc_bias is mlp.fc.bias and proj_weight is mlp.proj.weight
+    torch.testing.assert_close(u, torch.nn.functional.linear(x, mlp.fc.weight), rtol=0, atol=0)
+    matmul = node.next_functions[0][0]  # u's producer: fc's matmul (a view of it for 3-D input)
+    assert "Mm" in type(matmul).__name__ or any("Mm" in type(f).__name__ for f, _ in matmul.next_functions)
 
 
 def test_under_selective_ac_the_gradients_are_unchanged():
@@ -120,8 +135,9 @@ def test_bf16_on_the_gpu_matches_float64(kind):
     torch.manual_seed(0)
     fc = torch.randn(5000, 2 * 4096, device="cuda").bfloat16()
     dh = torch.randn(5000, 4096, device="cuda").bfloat16()
-    want_dfc, want_h, want_bias = glu_backward_reference(fc.double(), dh.double(), kind)
-    dfc, h, bias = glu_backward(fc, dh, kind, impl="triton")
+    fc_bias = torch.randn(2 * 4096, device="cuda").bfloat16()
+    want_dfc, want_h, want_bias = glu_backward_reference(fc.double(), dh.double(), kind, fc_bias.double())
+    dfc, h, bias = glu_backward(fc, dh, kind, fc_bias, impl="triton")
     # one bf16 rounding of each output; the column sums in fp32 over 5,000 rows
     torch.testing.assert_close(dfc.double(), want_dfc, rtol=2**-8, atol=1e-5)
     torch.testing.assert_close(h.double(), want_h, rtol=2**-8, atol=1e-5)

@@ -99,34 +99,42 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = (self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias)
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-            return _GLUMLP.apply(x, *weights, self.kind, self.impl)
+            # fc's matmul stays outside the Function, where activation checkpointing sees it (and may
+            # recompute it); its bias is added inside, so the GLU pass also gives the bias gradient.
+            u = F.linear(x, self.fc.weight)
+            return _GLUMLP.apply(u, self.fc.bias, self.proj.weight, self.proj.bias, self.kind, self.impl)
         return self.proj(glu(self.fc(x), self.kind))
 
 
 class _GLUMLP(torch.autograd.Function):
-    """proj(glu(fc(x))) with a hand-written backward, so that h is neither saved nor recomputed apart:
+    """proj(glu(u + b_fc)) for u = x @ W_fc^T, with a hand-written backward, so that h is neither saved nor
+    recomputed apart:
 
-        dh = dout @ W_proj;  (dfc, h, db_fc) = glu_backward(fc, dh);  dW_proj = dout^T h;  dW_fc = dfc^T x
+        dh = dout @ W_proj;  (du, h, db_fc) = glu_backward(u, dh, b_fc);  dW_proj = dout^T h
 
-    fc (the up-projection's output) and x are saved, as autograd would (selective AC keeps fc, a matmul's
-    output, and recomputes x). The matmuls run in fc's dtype: under autocast the forward's, as autograd's.
+    and autograd takes du back through fc's matmul. Only u is saved, which selective AC keeps (a matmul's
+    output) and full AC recomputes: ops inside an autograd.Function are not tagged for recomputation by
+    a compiled checkpoint, so the Function holds no matmul of its own that the backward needs. The
+    matmuls run in u's dtype: under autocast the forward's, as autograd's.
     """
 
     @staticmethod
-    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, kind: str, impl: str):
-        fc = F.linear(x, fc_weight, fc_bias)
-        ctx.save_for_backward(x, fc, fc_weight, proj_weight)
+    def forward(ctx, u, fc_bias, proj_weight, proj_bias, kind: str, impl: str):
+        ctx.save_for_backward(u, fc_bias, proj_weight)
         ctx.kind, ctx.impl = kind, impl
-        return F.linear(glu(fc, kind), proj_weight, proj_bias)
+        return F.linear(glu(u + fc_bias.to(u.dtype), kind), proj_weight, proj_bias)
 
     @staticmethod
     def backward(ctx, dout):
-        x, fc, fc_weight, proj_weight = ctx.saved_tensors
-        dtype = fc.dtype
+        u, fc_bias, proj_weight = ctx.saved_tensors
+        dtype = u.dtype
         dout = dout.reshape(-1, dout.shape[-1]).to(dtype)
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        dfc, h, fc_bias_grad = glu_backward(
-            fc.reshape(-1, fc.shape[-1]), dout @ proj_weight.to(dtype), ctx.kind, impl=ctx.impl, what="model.mlp_impl"
+        du, h, fc_bias_grad = glu_backward(
+            u.reshape(-1, u.shape[-1]),
+            dout @ proj_weight.to(dtype),
+            ctx.kind,
+            fc_bias.to(dtype),
+            impl=ctx.impl,
+            what="model.mlp_impl",
         )
-        dx = (dfc @ fc_weight.to(dtype)).view(x.shape)
-        return dx, dfc.t() @ x2, fc_bias_grad.to(dtype), dout.t() @ h, dout.sum(0), None, None
+        return du.view(u.shape), fc_bias_grad.to(fc_bias.dtype), dout.t() @ h, dout.sum(0), None, None

@@ -1,6 +1,6 @@
 """The MLP's GLU backward by impl (auto | triton | reference, kernels/backends.py), and its torch.library op.
 
-    atma::glu_backward(fc, dh, kind) -> (dfc, h, bias_grad)
+    atma::glu_backward(fc, dh, bias?, kind) -> (dfc, h, bias_grad)
 
 A custom_op, opaque to torch.compile (as the other kernels' ops, it compiles with fullgraph=True on CUDA
 and on CPU); the reference is plain PyTorch, which Inductor fuses where it runs compiled. Triton
@@ -8,6 +8,8 @@ and on CPU); the reference is plain PyTorch, which Inductor fuses where it runs 
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -28,21 +30,31 @@ def _kernels(device: torch.device):
 
 
 @torch.library.custom_op("atma::glu_backward", mutates_args=())
-def _glu_backward_op(fc: torch.Tensor, dh: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels(fc.device).glu_backward(fc, dh, kind)
+def _glu_backward_op(
+    fc: torch.Tensor, dh: torch.Tensor, bias: Optional[torch.Tensor], kind: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _kernels(fc.device).glu_backward(fc, dh, kind, bias)
 
 
 @_glu_backward_op.register_fake
-def _glu_backward_fake(fc, dh, kind):
+def _glu_backward_fake(fc, dh, bias, kind):
     return torch.empty_like(fc), torch.empty_like(dh), fc.new_empty(fc.shape[-1], dtype=torch.float32)
 
 
 def glu_backward(
-    fc: torch.Tensor, dh: torch.Tensor, kind: str, *, impl: str = "auto", what: str = "impl"
+    u: torch.Tensor,
+    dh: torch.Tensor,
+    kind: str,
+    bias: torch.Tensor | None = None,
+    *,
+    impl: str = "auto",
+    what: str = "impl",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dfc, h, column sums of dfc) for fc (M, 2N) and dh (M, N) (reference.py). The Triton kernel takes
-    bf16 / fp16 / fp32 and returns the sums in fp32; auto keeps fp64 (the tests) on the reference."""
+    """(dfc, h, column sums of dfc) for fc = u + bias, u (M, 2N), bias (2N,) or None, and dh (M, N)
+    (reference.py). The Triton kernel takes bf16 / fp16 / fp32 and returns the sums in fp32; auto keeps
+    fp64 (the tests) on the reference."""
     check_kind(kind)
-    if not (impl == "auto" and fc.dtype == torch.float64) and backends.use_triton(impl, fc.device, what):
-        return torch.ops.atma.glu_backward(fc.contiguous(), dh.contiguous(), kind)
-    return glu_backward_reference(fc, dh, kind)
+    if not (impl == "auto" and u.dtype == torch.float64) and backends.use_triton(impl, u.device, what):
+        bias = None if bias is None else bias.contiguous()
+        return torch.ops.atma.glu_backward(u.contiguous(), dh.contiguous(), bias, kind)
+    return glu_backward_reference(u, dh, kind, bias)

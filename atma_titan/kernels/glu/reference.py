@@ -1,6 +1,7 @@
 """The math of the MLP's gated linear unit (docs/model.md section 1), in PyTorch.
 
-    [a, g] = fc                 the up-projection's output (bias included), split into halves
+    [a, g] = fc                 the up-projection's output, split into halves (the backward takes it
+                                without its bias and the bias apart: fc = u + bias)
     h = g * act(a)              act: relu2 = relu(a)^2, swiglu = silu(a)
 
 and its backward, given dh = dL/dh:
@@ -35,13 +36,14 @@ def glu(fc: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def glu_backward_reference(
-    fc: torch.Tensor, dh: torch.Tensor, kind: str
+    u: torch.Tensor, dh: torch.Tensor, kind: str, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dfc, h, column sums of dfc) for fc (M, 2N) and dh (M, N). Computes in fp32 (fp64 for fp64 input);
-    dfc and h come back in fc's dtype, the column sums in the compute dtype."""
+    """(dfc, h, column sums of dfc) for fc = u + bias, u (M, 2N), bias (2N,) or None, and dh (M, N).
+    Computes in fp32 (fp64 for fp64 input); dfc and h come back in u's dtype, the sums in the compute dtype."""
     check_kind(kind)
-    compute = torch.float64 if fc.dtype == torch.float64 else torch.float32
-    a, g = fc.to(compute).chunk(2, dim=-1)
+    compute = torch.float64 if u.dtype == torch.float64 else torch.float32
+    fc = u.to(compute) if bias is None else u.to(compute) + bias.to(compute)
+    a, g = fc.chunk(2, dim=-1)
     dh = dh.to(compute)
     if kind == "relu2":
         r = F.relu(a)
@@ -50,4 +52,4 @@ def glu_backward_reference(
         s = torch.sigmoid(a)
         act, dact = a * s, s * (1 + a * (1 - s))
     dfc = torch.cat([dh * g * dact, dh * act], dim=-1)
-    return dfc.to(fc.dtype), (g * act).to(fc.dtype), dfc.sum(0)
+    return dfc.to(u.dtype), (g * act).to(u.dtype), dfc.sum(0)

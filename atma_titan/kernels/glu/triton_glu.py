@@ -1,6 +1,7 @@
 """The Triton kernel of the MLP's GLU backward (reference.py has the math).
 
-`_glu_bwd_kernel`, one program per (column block, row group): reads its tiles of a, g and dh once and
+`_glu_bwd_kernel`, one program per (column block, row group): reads its tiles of a, g (the up-projection's
+output without its bias, added here) and dh once and
 writes da and dg (the up-projection's output gradient), h (the down-projection's input, recomputed for its
 weight gradient) and the column sums of [da, dg] for its row group (the up-projection's bias gradient,
 summed by the caller: deterministic, no atomics). A memory-bound pass: 3 reads and 3 writes per hidden
@@ -24,14 +25,17 @@ ROWS_PER_PROGRAM = 2048
 
 @triton.jit
 def _glu_bwd_kernel(
-    fc_ptr, dh_ptr, dfc_ptr, h_ptr, part_ptr, M, N, rows_per_program,
-    SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    fc_ptr, bias_ptr, dh_ptr, dfc_ptr, h_ptr, part_ptr, M, N, rows_per_program,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     col_block, group = tl.program_id(0), tl.program_id(1)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     sum_a = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # reduced over rows once, after the loop
     sum_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias_a = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        bias_g = tl.load(bias_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     first = group * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
     for start in range(first, last, BLOCK_M):
@@ -42,6 +46,9 @@ def _glu_bwd_kernel(
         a = tl.load(fc_ptr + fc_at, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(fc_ptr + fc_at + N, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            a += bias_a
+            g += bias_g
         if SWIGLU:
             s = tl.sigmoid(a)
             act = a * s
@@ -62,20 +69,23 @@ def _glu_bwd_kernel(
     tl.store(part + N, tl.sum(sum_g, axis=0), mask=col_ok)
 
 
-def _check(fc: torch.Tensor, dh: torch.Tensor) -> None:
+def _check(fc: torch.Tensor, dh: torch.Tensor, bias: torch.Tensor | None) -> None:
     if fc.ndim != 2 or fc.shape[1] % 2 or not fc.is_contiguous():
         raise ValueError(f"fc must be a contiguous (rows, 2 x hidden) matrix, got {tuple(fc.shape)}")
     if dh.shape != (fc.shape[0], fc.shape[1] // 2) or not dh.is_contiguous():
         raise ValueError(f"dh {tuple(dh.shape)} must be a contiguous ({fc.shape[0]}, {fc.shape[1] // 2}) matrix")
     if dh.dtype != fc.dtype:
         raise ValueError(f"fc ({fc.dtype}) and dh ({dh.dtype}) must share a dtype")
+    if bias is not None and (bias.shape != fc.shape[1:] or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous ({fc.shape[1]},) vector")
 
 
 def glu_backward(
-    fc: torch.Tensor, dh: torch.Tensor, kind: str, rows_per_program: int | None = None
+    fc: torch.Tensor, dh: torch.Tensor, kind: str, bias: torch.Tensor | None = None, rows_per_program: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dfc, h, column sums of dfc in fp32) for fc (M, 2N) and dh (M, N) (reference.py)."""
-    _check(fc, dh)
+    """(dfc, h, column sums of dfc in fp32) for fc + bias, fc (M, 2N), bias (2N,) or None, dh (M, N)
+    (reference.py)."""
+    _check(fc, dh, bias)
     m, n = dh.shape
     rows_per_program = triton.cdiv(rows_per_program or ROWS_PER_PROGRAM, BLOCK_M) * BLOCK_M  # whole tiles
     groups = triton.cdiv(m, rows_per_program)
@@ -84,7 +94,7 @@ def glu_backward(
     if m == 0:
         return dfc, h, parts.new_zeros(2 * n)
     _glu_bwd_kernel[(triton.cdiv(n, BLOCK_N), groups)](
-        fc, dh, dfc, h, parts, m, n, rows_per_program,
-        SWIGLU=kind == "swiglu", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        fc, fc if bias is None else bias, dh, dfc, h, parts, m, n, rows_per_program,
+        HAS_BIAS=bias is not None, SWIGLU=kind == "swiglu", BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
     )  # fmt: skip
     return dfc, h, parts.sum(0)
