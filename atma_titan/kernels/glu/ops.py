@@ -1,6 +1,6 @@
 """The MLP's GLU backward by impl (auto | triton | reference, kernels/backends.py), and its torch.library op.
 
-    atma::glu_backward(fc, dh, bias?, kind) -> (dfc, h, bias_grad)
+    atma::glu_backward(u, dh, bias?, kind) -> (dfc, h, bias_grad)
 
 A custom_op, opaque to torch.compile (as the other kernels' ops, it compiles with fullgraph=True on CUDA
 and on CPU); the reference is plain PyTorch, which Inductor fuses where it runs compiled. Triton
@@ -31,14 +31,14 @@ def _kernels(device: torch.device):
 
 @torch.library.custom_op("atma::glu_backward", mutates_args=())
 def _glu_backward_op(
-    fc: torch.Tensor, dh: torch.Tensor, bias: Optional[torch.Tensor], kind: str
+    u: torch.Tensor, dh: torch.Tensor, bias: Optional[torch.Tensor], kind: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _kernels(fc.device).glu_backward(fc, dh, kind, bias)
+    return _kernels(u.device).glu_backward(u, dh, kind, bias)
 
 
 @_glu_backward_op.register_fake
-def _glu_backward_fake(fc, dh, bias, kind):
-    return torch.empty_like(fc), torch.empty_like(dh), fc.new_empty(fc.shape[-1], dtype=torch.float32)
+def _glu_backward_fake(u, dh, bias, kind):
+    return torch.empty_like(u), torch.empty_like(dh), u.new_empty(u.shape[-1], dtype=torch.float32)
 
 
 def glu_backward(
