@@ -232,6 +232,21 @@ def glu_cases(flavor: str, seq_len: int) -> list[Case]:
     return [Case("glu.bwd", _tuned_rows(launch), note) for launch in launches]
 
 
+def short_conv_cases(flavor: str, seq_len: int) -> list[Case]:
+    """The LFM2 conv block's backward pass over one recipe micro-batch of 16 sequences (models/conv.py,
+    kernels/short_conv)."""
+    from atma_titan.kernels.short_conv import triton_short_conv
+    from atma_titan.models.flavors import FLAVORS
+
+    args = FLAVORS[flavor]
+    u, do = _meta(16, seq_len, 3 * args.d_model), _meta(16, seq_len, args.d_model)
+    weight, bias = _meta(args.d_model, args.conv_kernel), _meta(3 * args.d_model)
+    with resources.recorded_launches(triton_short_conv, ["_gated_conv_bwd_kernel"]) as launches:
+        triton_short_conv.gated_conv_backward(u, do, weight, bias)
+    note = f"16 x {seq_len:,} tokens x {args.d_model:,} channels, kernel {args.conv_kernel}"
+    return [Case("short_conv.bwd", _tuned_rows(launch), note) for launch in launches]
+
+
 def model_cases(flavor: str = "atma_370m", seq_len: int = 2048) -> list[Case]:
     """Every kernel the flavor's model and its training launch (training, prefill and decode), at its shapes."""
     shapes = model_shapes(flavor)
@@ -242,6 +257,7 @@ def model_cases(flavor: str = "atma_370m", seq_len: int = 2048) -> list[Case]:
         *softcap_ce_cases(flavor),
         *muon_update_cases(flavor),
         *glu_cases(flavor, seq_len),
+        *short_conv_cases(flavor, seq_len),
     ]
 
 

@@ -38,8 +38,8 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PREFIX = "model."
 # Fields that change how the model is computed or trained, not what its weights mean: they may differ.
-NOT_ARCHITECTURE = {"attention_impl", "memory_impl", "mlp_impl", "loss_impl", "attention_block", "memory_chunk",
-                    "distractor_weight", "distractor_keys"}  # fmt: skip
+NOT_ARCHITECTURE = {"attention_impl", "memory_impl", "mlp_impl", "conv_impl", "loss_impl", "attention_block",
+                    "memory_chunk", "distractor_weight", "distractor_keys"}  # fmt: skip
 
 
 def _read_json(path: Path) -> dict:

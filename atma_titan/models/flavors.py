@@ -82,6 +82,11 @@ class ModelArgs:
         "auto",
         ("auto", "triton", "reference"),
     )
+    conv_impl: str = arg(
+        "LFM2 conv block's backward pass: auto (Triton on CUDA, PyTorch elsewhere), triton, reference",
+        "auto",
+        ("auto", "triton", "reference"),
+    )
     loss_impl: str = arg(
         "Fused LM-head loss's cross-entropy: auto (Triton on CUDA, PyTorch elsewhere), triton, reference",
         "auto",

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atma_titan.kernels.glu import check_kind, glu, glu_backward
+from atma_titan.kernels.short_conv import causal_conv
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -47,19 +48,13 @@ class CausalDepthwiseConv(nn.Module):
     def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:  # x: (B, T, C)
         """`state` (generation): a view of the sequences' last k - 1 inputs (B, k - 1, C) with read() and
         write(); they stand in for the zero padding and are replaced by the new last k - 1 inputs."""
-        # A sum of k shifted products: elementwise work that torch.compile fuses, where a grouped
-        # conv1d call is a slow, unfused kernel for kernels this short.
-        T, k = x.shape[1], self.kernel
+        k = self.kernel
         if state is None:
             padded = F.pad(x, (0, 0, k - 1, 0))
         else:
             padded = torch.cat([state.read().to(x.dtype), x], dim=1)
             state.write(padded[:, padded.shape[1] - (k - 1) :])
-        w = self.weight.to(x.dtype)
-        y = padded[:, k - 1 : k - 1 + T] * w[:, k - 1]
-        for j in range(k - 1):
-            y = y + padded[:, j : j + T] * w[:, j]
-        return y
+        return causal_conv(padded, self.weight)
 
     def reset_parameters(self) -> None:
         # nn.Conv1d's default for a depthwise kernel: U(-1/sqrt(k), 1/sqrt(k)).
