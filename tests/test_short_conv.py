@@ -161,6 +161,16 @@ def test_under_autocast_the_matmuls_run_in_bf16_and_gradients_keep_the_parameter
         assert (a - b).norm() <= 2e-2 * b.norm()  # bf16 matmuls both ways, rounded in other places
 
 
+def test_auto_keeps_convolutions_wider_than_the_kernels_on_the_reference(monkeypatch):
+    from atma_titan.kernels import backends
+    from atma_titan.kernels.short_conv.ops import MAX_KERNEL
+
+    monkeypatch.setattr(backends, "use_triton", lambda *a: pytest.fail("auto asked for the kernel"))
+    u, do, weight = torch.randn(1, 4, 6), torch.randn(1, 4, 2), torch.randn(2, MAX_KERNEL + 1)
+    for got, want in zip(gated_conv_backward(u, do, weight), gated_conv_backward_reference(u, do, weight)):
+        torch.testing.assert_close(got, want)
+
+
 def test_bad_shapes_are_refused_by_the_kernel_launcher():
     pytest.importorskip("triton")
     from atma_titan.kernels.short_conv.triton_short_conv import _check
@@ -173,6 +183,8 @@ def test_bad_shapes_are_refused_by_the_kernel_launcher():
         _check(u, torch.zeros(2, 5, 3), w, None)
     with pytest.raises(ValueError, match=r"weight \(3, 3\) must be"):
         _check(u, do, torch.zeros(3, 3), None)
+    with pytest.raises(ValueError, match=r"kernel <= 4"):
+        _check(u, do, torch.zeros(4, 5), None)
     with pytest.raises(ValueError, match=r"bias \(4,\) must be"):
         _check(u, do, w, torch.zeros(4))
 

@@ -16,7 +16,9 @@ import torch
 from atma_titan.kernels import backends
 from atma_titan.kernels.short_conv.reference import gated_conv_backward_reference
 
-__all__ = ["gated_conv_backward"]
+__all__ = ["MAX_KERNEL", "gated_conv_backward"]
+
+MAX_KERNEL = 4  # the widest convolution the Triton kernel takes (it keeps one accumulator per tap)
 
 
 def _kernels(device: torch.device):
@@ -52,9 +54,10 @@ def gated_conv_backward(
     what: str = "impl",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dz, o, column sums of dz, dw) for z = u + bias, u (B, T, 3C), bias (3C,) or None, do (B, T, C) and the
-    conv weight (C, k) (reference.py). The Triton kernel takes bf16 / fp16 / fp32 and returns the sums and
-    dw in fp32; auto keeps fp64 (the tests) on the reference."""
-    if not (impl == "auto" and u.dtype == torch.float64) and backends.use_triton(impl, u.device, what):
+    conv weight (C, k) (reference.py). The Triton kernel takes bf16 / fp16 / fp32 and k <= 4, and returns the
+    sums and dw in fp32; auto keeps fp64 (the tests) and wider kernels on the reference."""
+    keep_reference = impl == "auto" and (u.dtype == torch.float64 or weight.shape[-1] > MAX_KERNEL)
+    if not keep_reference and backends.use_triton(impl, u.device, what):
         bias = None if bias is None else bias.contiguous()
         return torch.ops.atma.gated_conv_backward(u.contiguous(), do.contiguous(), weight.contiguous(), bias)
     return gated_conv_backward_reference(u, do, weight, bias)
