@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import torch
-from mlp_backward import as_training_runs, median_ms
+from one_pass_timing import REPEATS, as_training_runs, median_ms, sweep_tiles
 
 from atma_titan.kernels.short_conv import gated_conv_backward_reference
 from atma_titan.models.conv import GatedShortConv
@@ -69,26 +69,20 @@ def main() -> None:
     bias = torch.randn(3 * d, device="cuda", dtype=torch.bfloat16)
     moved = 2 * u.numel() * u.element_size() + 2 * do.numel() * do.element_size()  # read u, do; write dz, o
     compiled_reference = torch.compile(gated_conv_backward_reference, fullgraph=True)
-    kernels = [
-        {"kernel": "compiled PyTorch reference", "ms": median_ms(lambda: compiled_reference(u, do, weight, bias))}
-    ]
-    default = (kernel.BLOCK_M, kernel.BLOCK_N, kernel.NUM_WARPS, kernel.ROWS_PER_PROGRAM)
-    configs = [default, (16, 64, 4, 1024), (16, 128, 8, 2048), (32, 64, 8, 2048), (8, 128, 4, 1024),
-               (8, 64, 2, 1024), (8, 256, 8, 1024)]  # fmt: skip
-    for block_m, block_n, warps, rows_per_program in configs:
-        kernel.BLOCK_M, kernel.BLOCK_N, kernel.NUM_WARPS = block_m, block_n, warps
-        ms = median_ms(lambda: kernel.gated_conv_backward(u, do, weight, bias, rows_per_program=rows_per_program))
-        kernels.append({"kernel": f"Triton {block_m}x{block_n}, {warps} warps, {rows_per_program} rows", "ms": ms})
-    kernel.BLOCK_M, kernel.BLOCK_N, kernel.NUM_WARPS = default[:3]
-    for row in kernels:
-        row["tb_per_s"] = moved / row["ms"] / 1e9
-        row["vs_reference"] = kernels[0]["ms"] / row["ms"]
-        print(f"{row['kernel']:48s} {row['ms']:7.3f} ms  {row['tb_per_s']:.2f} TB/s  {row['vs_reference']:.2f}x")
+    configs = [(16, 64, 4, 1024), (16, 128, 8, 2048), (32, 64, 8, 2048), (8, 128, 4, 1024), (8, 64, 2, 1024),
+               (8, 256, 8, 1024)]  # fmt: skip
+    kernels = sweep_tiles(
+        kernel,
+        configs,
+        lambda rows_per_program: kernel.gated_conv_backward(u, do, weight, bias, rows_per_program=rows_per_program),
+        median_ms(lambda: compiled_reference(u, do, weight, bias)),
+        moved,
+    )
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "shape": {"batch": args.batch, "seq_len": args.seq_len, "d_model": d, "conv_kernel": flavor.conv_kernel},
-        "repetitions": 20,
+        "repetitions": REPEATS,
         "mixer": rows,
         "kernel": kernels,
     }

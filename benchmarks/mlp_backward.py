@@ -10,20 +10,15 @@ Times are medians of CUDA-event timings (20 repetitions after 3 warm-ups). Needs
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import statistics
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from one_pass_timing import REPEATS, as_training_runs, median_ms, sweep_tiles
 
 from atma_titan.kernels.glu import glu, glu_backward_reference
 from atma_titan.models.flavors import FLAVORS
 from atma_titan.models.layers import MLP
-from atma_titan.parallel.parallelize import selective_policy
 
 
 class AutogradMLP(MLP):
@@ -31,25 +26,6 @@ class AutogradMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(glu(self.fc(x), self.kind))
-
-
-def as_training_runs(module: nn.Module) -> nn.Module:
-    context = functools.partial(create_selective_checkpoint_contexts, selective_policy())
-    return torch.compile(checkpoint_wrapper(module, context_fn=context), fullgraph=True)
-
-
-def median_ms(fn, repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -88,26 +64,20 @@ def main() -> None:
     bias = torch.randn(2 * hidden, device="cuda", dtype=torch.bfloat16)
     moved = 3 * fc.numel() * fc.element_size() + 2 * dh.numel() * dh.element_size()  # read a, g, dh; write da, dg, h
     compiled_reference = torch.compile(glu_backward_reference, fullgraph=True)
-    kernels = [
-        {"kernel": "compiled PyTorch reference", "ms": median_ms(lambda: compiled_reference(fc, dh, kind, bias))}
-    ]
-    default = (triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS, triton_glu.ROWS_PER_PROGRAM)
-    configs = [default, (32, 128, 8, 1024), (16, 128, 8, 1024), (32, 256, 8, 1024), (64, 128, 8, 1024),
+    configs = [(32, 128, 8, 1024), (16, 128, 8, 1024), (32, 256, 8, 1024), (64, 128, 8, 1024),
                (32, 128, 4, 1024), (32, 128, 4, 2048), (32, 128, 8, 512), (16, 256, 8, 2048)]  # fmt: skip
-    for block_m, block_n, warps, rows_per_program in configs:
-        triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS = block_m, block_n, warps
-        ms = median_ms(lambda: triton_glu.glu_backward(fc, dh, kind, bias, rows_per_program=rows_per_program))
-        kernels.append({"kernel": f"Triton {block_m}x{block_n}, {warps} warps, {rows_per_program} rows", "ms": ms})
-    triton_glu.BLOCK_M, triton_glu.BLOCK_N, triton_glu.NUM_WARPS = default[:3]
-    for row in kernels:
-        row["tb_per_s"] = moved / row["ms"] / 1e9
-        row["vs_reference"] = kernels[0]["ms"] / row["ms"]
-        print(f"{row['kernel']:48s} {row['ms']:7.3f} ms  {row['tb_per_s']:.2f} TB/s  {row['vs_reference']:.2f}x")
+    kernels = sweep_tiles(
+        triton_glu,
+        configs,
+        lambda rows_per_program: triton_glu.glu_backward(fc, dh, kind, bias, rows_per_program=rows_per_program),
+        median_ms(lambda: compiled_reference(fc, dh, kind, bias)),
+        moved,
+    )
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "shape": {"tokens": args.tokens, "d_model": d, "hidden": hidden, "kind": kind},
-        "repetitions": 20,
+        "repetitions": REPEATS,
         "mlp": rows,
         "kernel": kernels,
     }

@@ -1,0 +1,66 @@
+"""Timing shared by the one-pass backward benchmarks (mlp_backward.py, conv_backward.py): a module compiled as
+training runs it, medians of CUDA-event timings, and a sweep of a fixed-config kernel's tiles against its
+compiled PyTorch reference. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from types import ModuleType
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from atma_titan.parallel.parallelize import selective_policy
+
+REPEATS = 20
+
+
+def as_training_runs(module: nn.Module) -> nn.Module:
+    """`module` under the recipe's selective AC, compiled with fullgraph=True, as the trainer wraps a block."""
+    context = functools.partial(create_selective_checkpoint_contexts, selective_policy())
+    return torch.compile(checkpoint_wrapper(module, context_fn=context), fullgraph=True)
+
+
+def median_ms(fn: Callable[[], object], repeats: int = REPEATS, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sweep_tiles(
+    kernel: ModuleType,
+    configs: list[tuple[int, int, int, int]],
+    run: Callable[[int], object],
+    reference_ms: float,
+    moved: int,
+) -> list[dict]:
+    """Time `run(rows_per_program)` with the kernel module's tile constants (BLOCK_M, BLOCK_N, NUM_WARPS) set to
+    its own config first, then to each of `configs` (block_m, block_n, warps, rows_per_program); restore them;
+    print and return a row per config beside the reference's, with its bandwidth over `moved` bytes."""
+    default = (kernel.BLOCK_M, kernel.BLOCK_N, kernel.NUM_WARPS, kernel.ROWS_PER_PROGRAM)
+    rows = [{"kernel": "compiled PyTorch reference", "ms": reference_ms}]
+    try:
+        for block_m, block_n, warps, rows_per_program in [default, *configs]:
+            kernel.BLOCK_M, kernel.BLOCK_N, kernel.NUM_WARPS = block_m, block_n, warps
+            ms = median_ms(lambda: run(rows_per_program))
+            rows.append({"kernel": f"Triton {block_m}x{block_n}, {warps} warps, {rows_per_program} rows", "ms": ms})
+    finally:
+        kernel.BLOCK_M, kernel.BLOCK_N, kernel.NUM_WARPS = default[:3]
+    for row in rows:
+        row["tb_per_s"] = moved / row["ms"] / 1e9
+        row["vs_reference"] = reference_ms / row["ms"]
+        print(f"{row['kernel']:48s} {row['ms']:7.3f} ms  {row['tb_per_s']:.2f} TB/s  {row['vs_reference']:.2f}x")
+    return rows
