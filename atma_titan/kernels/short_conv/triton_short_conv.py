@@ -22,7 +22,7 @@ import triton.language as tl
 # channels the fastest of 16 configs in a first sweep (0.29 ms, the launcher's allocations and sums included)
 # and within 4% of the fastest in benchmarks/conv_backward.py's run (0.28 ms; 16 x 128, 8 warps: 0.27).
 # A thread holds 8 elements of a tile in each of 6 fp32 accumulators and ~10 live tiles: 222 registers on
-# sm_90, no spills; tiles of 16 elements a thread spilled and ran 2-3x slower.
+# sm_90, no spills; a first version's tiles of 16 elements a thread spilled and took twice as long.
 BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4
 ROWS_PER_PROGRAM = 2048
 
