@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
-from one_pass_timing import REPEATS, as_training_runs, median_ms, sweep_tiles
+from one_pass_timing import REPEATS, compare_backwards, median_ms, sweep_tiles, write_result
 
 from atma_titan.kernels.short_conv import gated_conv_backward_reference
 from atma_titan.models.conv import GatedShortConv
@@ -45,21 +44,15 @@ def main() -> None:
     torch.manual_seed(0)
     h = torch.randn(args.batch, args.seq_len, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn(args.batch, args.seq_len, d, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    base = AutogradGatedShortConv(flavor).cuda().bfloat16()
-    for name, module in [
-        ("autograd backward", base),
-        ("one pass, PyTorch (compiled)", GatedShortConv(dataclasses.replace(flavor, conv_impl="reference"))),
-        ("one pass, Triton kernel", GatedShortConv(dataclasses.replace(flavor, conv_impl="triton"))),
-    ]:
-        module = module.cuda().bfloat16()
-        module.load_state_dict(base.state_dict())
-        step = as_training_runs(module)
-        ms = median_ms(lambda: step(h)[0].backward(dout))
-        rows.append({"mixer": name, "forward_backward_ms": ms})
-    for row in rows:
-        row["vs_autograd"] = rows[0]["forward_backward_ms"] / row["forward_backward_ms"]
-        print(f"{row['mixer']:32s} {row['forward_backward_ms']:8.3f} ms  {row['vs_autograd']:.3f}x")
+    rows = compare_backwards(
+        "mixer",
+        [
+            ("autograd backward", AutogradGatedShortConv(flavor)),
+            ("one pass, PyTorch (compiled)", GatedShortConv(dataclasses.replace(flavor, conv_impl="reference"))),
+            ("one pass, Triton kernel", GatedShortConv(dataclasses.replace(flavor, conv_impl="triton"))),
+        ],
+        lambda step: step(h)[0].backward(dout),
+    )
 
     from atma_titan.kernels.short_conv import triton_short_conv as kernel
 
@@ -79,17 +72,12 @@ def main() -> None:
         moved,
     )
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
         "shape": {"batch": args.batch, "seq_len": args.seq_len, "d_model": d, "conv_kernel": flavor.conv_kernel},
         "repetitions": REPEATS,
         "mixer": rows,
         "kernel": kernels,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"conv_backward-{torch.cuda.get_device_name().split()[-1].lower()}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "conv_backward", result)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from pathlib import Path
 
 import torch
+from one_pass_timing import write_result
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -89,11 +89,7 @@ def main() -> None:
             print(f"{mode:15s} {name:18s} {row['ms']:7.2f} ms  held {row['held_after_forward_mib']:6.0f} MiB  "
                   f"peak {row['peak_mib']:6.0f} MiB", flush=True)  # fmt: skip
     layers.MLP.forward = GLU_PASS
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": tokens, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"mlp_ac_memory-{torch.cuda.get_device_name().split()[-1].lower()}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "mlp_ac_memory", {"tokens": tokens, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ Times are medians of CUDA-event timings (20 repetitions after 3 warm-ups). Needs
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
-from one_pass_timing import REPEATS, as_training_runs, median_ms, sweep_tiles
+from one_pass_timing import REPEATS, compare_backwards, median_ms, sweep_tiles, write_result
 
 from atma_titan.kernels.glu import glu, glu_backward_reference
 from atma_titan.models.flavors import FLAVORS
@@ -41,21 +40,15 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn(args.tokens, d, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    base = AutogradMLP(d, hidden, kind).cuda().bfloat16()
-    for name, module in [
-        ("autograd backward", base),
-        ("GLU pass, PyTorch (compiled)", MLP(d, hidden, kind, "reference")),
-        ("GLU pass, Triton kernel", MLP(d, hidden, kind, "triton")),
-    ]:
-        module = module.cuda().bfloat16()
-        module.load_state_dict(base.state_dict())
-        step = as_training_runs(module)
-        ms = median_ms(lambda: step(x).backward(dout))
-        rows.append({"mlp": name, "forward_backward_ms": ms})
-    for row in rows:
-        row["vs_autograd"] = rows[0]["forward_backward_ms"] / row["forward_backward_ms"]
-        print(f"{row['mlp']:32s} {row['forward_backward_ms']:8.3f} ms  {row['vs_autograd']:.3f}x")
+    rows = compare_backwards(
+        "mlp",
+        [
+            ("autograd backward", AutogradMLP(d, hidden, kind)),
+            ("GLU pass, PyTorch (compiled)", MLP(d, hidden, kind, "reference")),
+            ("GLU pass, Triton kernel", MLP(d, hidden, kind, "triton")),
+        ],
+        lambda step: step(x).backward(dout),
+    )
 
     from atma_titan.kernels.glu import triton_glu
 
@@ -74,17 +67,12 @@ def main() -> None:
         moved,
     )
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
         "shape": {"tokens": args.tokens, "d_model": d, "hidden": hidden, "kind": kind},
         "repetitions": REPEATS,
         "mlp": rows,
         "kernel": kernels,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"mlp_backward-{torch.cuda.get_device_name().split()[-1].lower()}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "mlp_backward", result)
 
 
 if __name__ == "__main__":

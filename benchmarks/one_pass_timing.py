@@ -1,12 +1,15 @@
-"""Timing shared by the one-pass backward benchmarks (mlp_backward.py, conv_backward.py): a module compiled as
-training runs it, medians of CUDA-event timings, and a sweep of a fixed-config kernel's tiles against its
-compiled PyTorch reference. Needs a GPU.
+"""Timing shared by the one-pass backward benchmarks (mlp_backward.py, conv_backward.py, mlp_ac_memory.py): a
+module compiled as training runs it, medians of CUDA-event timings, modules with autograd's and a hand-written
+backward side by side, a sweep of a fixed-config kernel's tiles against its compiled PyTorch reference, and the
+result file. Needs a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import statistics
+from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
@@ -38,6 +41,35 @@ def median_ms(fn: Callable[[], object], repeats: int = REPEATS, warmup: int = 3)
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def compare_backwards(
+    label: str, modules: list[tuple[str, nn.Module]], step: Callable[[nn.Module], object]
+) -> list[dict]:
+    """Time `step(compiled)` (one forward and backward) for each (name, module), compiled as training runs it,
+    in bf16 on the GPU with the first module's weights (the first: autograd's backward). Print and return a
+    row per module, its name under `label`, with its speed-up over the first."""
+    base = modules[0][1].cuda().bfloat16()
+    rows = []
+    for name, module in modules:
+        module = module.cuda().bfloat16()
+        module.load_state_dict(base.state_dict())
+        compiled = as_training_runs(module)
+        rows.append({label: name, "forward_backward_ms": median_ms(lambda: step(compiled))})
+    for row in rows:
+        row["vs_autograd"] = rows[0]["forward_backward_ms"] / row["forward_backward_ms"]
+        print(f"{row[label]:32s} {row['forward_backward_ms']:8.3f} ms  {row['vs_autograd']:.3f}x")
+    return rows
+
+
+def write_result(out: Path, stem: str, result: dict) -> Path:
+    """Write `result` after the GPU's name and torch's version to out/<stem>-<gpu>.json (e.g. mlp_backward-h200)."""
+    gpu = torch.cuda.get_device_name()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{gpu.split()[-1].lower()}.json"
+    path.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, **result}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
 
 
 def sweep_tiles(

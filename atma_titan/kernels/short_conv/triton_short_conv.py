@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atma_titan.kernels.short_conv.ops import MAX_KERNEL
+
 # Tiles of 16 rows x 64 channels, 4 warps, 2,048 rows a program: on the H200 at 16 x 2,048 tokens x 1,024
 # channels the fastest of 16 configs in a first sweep (0.29 ms, the launcher's allocations and sums included)
 # and within 4% of the fastest in benchmarks/conv_backward.py's run (0.28 ms; 16 x 128, 8 warps: 0.27).
@@ -123,8 +125,11 @@ def _check(u: torch.Tensor, do: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"do {tuple(do.shape)} must be a contiguous {(*u.shape[:2], channels)} tensor")
     if do.dtype != u.dtype:
         raise ValueError(f"u ({u.dtype}) and do ({do.dtype}) must share a dtype")
-    if weight.ndim != 2 or weight.shape[0] != channels or not 1 <= weight.shape[1] <= 4 or not weight.is_contiguous():
-        raise ValueError(f"weight {tuple(weight.shape)} must be a contiguous ({channels}, kernel <= 4) matrix")
+    kernel_ok = weight.ndim == 2 and weight.shape[0] == channels and 1 <= weight.shape[1] <= MAX_KERNEL
+    if not kernel_ok or not weight.is_contiguous():
+        raise ValueError(
+            f"weight {tuple(weight.shape)} must be a contiguous ({channels}, kernel <= {MAX_KERNEL}) matrix"
+        )
     if bias is not None and (bias.shape != u.shape[2:] or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous ({u.shape[2]},) vector")
 
