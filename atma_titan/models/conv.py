@@ -15,7 +15,7 @@ from torch import nn
 
 from atma_titan.kernels.short_conv import gated_conv, gated_conv_backward
 from atma_titan.models.flavors import ModelArgs
-from atma_titan.models.layers import CausalDepthwiseConv
+from atma_titan.models.layers import CausalDepthwiseConv, gradients_flow
 
 
 class GatedShortConv(nn.Module):
@@ -30,7 +30,7 @@ class GatedShortConv(nn.Module):
     def forward(self, h: torch.Tensor, cache=None) -> tuple[torch.Tensor, None]:
         """cache (generation): the block's `atma_titan.inference` LayerCache, holding the conv state."""
         weights = (self.in_proj.weight, self.in_proj.bias, self.conv.weight, self.out_proj.weight, self.out_proj.bias)
-        if cache is None and torch.is_grad_enabled() and (h.requires_grad or any(w.requires_grad for w in weights)):
+        if cache is None and gradients_flow(h, *weights):
             # in_proj's matmul stays outside the Function, where activation checkpointing sees it (and may
             # recompute it); its bias is added inside, so the one backward pass also gives the bias gradient.
             u = F.linear(h, self.in_proj.weight)

@@ -14,6 +14,11 @@ from atma_titan.kernels.glu import check_kind, glu, glu_backward
 from atma_titan.kernels.short_conv import causal_conv
 
 
+def gradients_flow(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will differentiate through an op on `tensors` (the hand-written backwards' test)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMS-normalise the last dimension in fp32 (no learned weight); returns x's dtype."""
     xf = x.float()
@@ -92,8 +97,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = (self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias)
-        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        if gradients_flow(x, self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias):
             # fc's matmul stays outside the Function, where activation checkpointing sees it (and may
             # recompute it); its bias is added inside, so the GLU pass also gives the bias gradient.
             u = F.linear(x, self.fc.weight)

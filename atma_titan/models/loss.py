@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from atma_titan.kernels.softcap_ce import kernel_runs, softcap, softcap_ce_backward_, softcap_ce_forward
+from atma_titan.models.layers import gradients_flow
 
 __all__ = ["LossTargets", "chunk_tokens_for", "linear_softcap_cross_entropy", "softcap", "add_product_"]
 
@@ -98,8 +99,7 @@ def linear_softcap_cross_entropy(
     chunk = chunk_tokens or chunk_tokens_for(weight.shape[0], chunk_mib)
     flat = (hidden.reshape(-1, d), weight, bias, labels.reshape(-1), None if weights is None else weights.reshape(-1))
     options = (float(cap), int(chunk), int(ignore_index), compile_backend or "", impl)
-    tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if gradients_flow(hidden, weight, bias):
         return _FusedLinearCE.apply(*flat, *options)
     return _fused_loss_and_grads(*flat, *options, with_grads=False)[0]
 
