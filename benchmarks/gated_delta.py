@@ -19,7 +19,7 @@ pairs) so consecutive steps do not find their state in the 50 MB L2. --step-swee
 step kernel's rows per program x warps in the graph. --out takes a directory (gated_delta-<gpu>.json
 is written in it) or a file path.
 
-    python benchmarks/gated_delta.py --resources [--key-dim 128 --value-dim 128] [--kernels prepare,grad]
+    python benchmarks/gated_delta.py --resources [--key-dim 128 --value-dim 128] [--kernels prepare,grad_output]
 
 needs no GPU: it compiles every kernel for sm_90 (bf16) and prints registers and stack bytes per
 thread (stack > 0 means spills), for each autotune config, from triton's bundled cuobjdump.
@@ -210,7 +210,7 @@ def sweep_step(args) -> list[dict]:
 
 FP32_POINTERS = {
     "g_ptr", "log_gamma_ptr", "beta_ptr", "du_local_ptr", "du_ptr", "dfinal_ptr", "dinitial_ptr",
-    "dk_partial_ptr", "initial_ptr", "final_ptr", "dlog_gamma_ptr", "dbeta_ptr", "pool_ptr",
+    "dk_partial_ptr", "dg_partial_ptr", "initial_ptr", "final_ptr", "dlog_gamma_ptr", "dbeta_ptr", "pool_ptr",
 }  # fmt: skip
 
 
@@ -239,7 +239,8 @@ def print_resources(args) -> None:
         ("output", chunked._output_kernel.fn, common, chunked.PARALLEL_CONFIGS),
         ("dv_local", chunked._dv_local_kernel.fn, common, chunked.PARALLEL_CONFIGS),
         ("state_bwd", chunked._state_bwd_kernel.fn, common, chunked.SEQUENTIAL_CONFIGS),
-        ("grad", chunked._grad_kernel.fn, common, chunked.GRAD_CONFIGS),
+        ("grad_transform", chunked._grad_transform_kernel.fn, common, chunked.GRAD_CONFIGS),
+        ("grad_output", chunked._grad_output_kernel.fn, common, chunked.GRAD_CONFIGS),
         ("step", step._step_kernel, {"H": args.heads, "DK": dk, "DV": dv, "BK": max(16, triton.next_power_of_2(dk)),
                                      "BV": step.ROWS_PER_PROGRAM,
                                      "NORMALIZE": True}, [triton.Config({}, num_warps=step.NUM_WARPS)]),

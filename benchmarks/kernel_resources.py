@@ -157,11 +157,12 @@ def gated_delta_cases(shapes: dict, seq_len: int) -> list[Case]:
     gates = [_meta(1, seq_len, h, dtype=torch.float32) for _ in range(2)]
     state = _meta(1, h, dv, dk, dtype=torch.float32)
     names = ["_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_dv_local_kernel", "_state_bwd_kernel"]
-    names += ["_grad_kernel"]
+    names += ["_grad_transform_kernel", "_grad_output_kernel"]
     with resources.recorded_launches(chunked, names) as training:
-        chunked.chunk_backward(q, k, v, *gates, None, _meta(1, seq_len, h, dv), state, True)
-        chunked.chunk_forward(q, k, v, *gates, None, True)
+        _, _, workspaces = chunked.chunk_forward(q, k, v, *gates, None, True, keep_workspaces=True)
+        chunked.chunk_backward(q, k, v, *gates, workspaces, _meta(1, seq_len, h, dv), state, True)
     with resources.recorded_launches(chunked, names) as prefill:
+        chunked.chunk_forward(q, k, v, *gates, None, True)  # no gradients: nothing kept for a backward
         chunked.chunk_forward(q, k, v, *gates, state, True)  # a prefill chunk continues from the cache's state
     with resources.recorded_launches(step, ["_step_kernel"]) as decoding:
         pool = _meta(4, h, dv, dk, dtype=torch.float32)
@@ -173,7 +174,7 @@ def gated_delta_cases(shapes: dict, seq_len: int) -> list[Case]:
     for launch in [*training, *prefill, *decoding]:
         label = "gated_delta." + launch.name.strip("_").removesuffix("_kernel")
         if launch.name == "_prepare_kernel":
-            label += "" if launch.args["STORE_INVERSE"] else " (forward)"
+            label += "" if launch.args["STORE_INVERSE"] else " (no gradients)"
         if launch.name == "_state_fwd_kernel" and launch.args["HAS_INITIAL"]:
             label += " (initial state)"
         if label not in seen:

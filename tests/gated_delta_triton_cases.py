@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -222,7 +223,8 @@ def test_chunked_kernel_with_gpu_blocks(monkeypatch, blocks, seq_len, key_dim, v
         (chunked._state_bwd_kernel, bv_sequential),
         (chunked._output_kernel, bv_parallel),
         (chunked._dv_local_kernel, bv_parallel),
-        (chunked._grad_kernel, bv_grad),
+        (chunked._grad_transform_kernel, bv_grad),
+        (chunked._grad_output_kernel, bv_grad),
     ):
         monkeypatch.setattr(kernel, "configs", [triton.Config({"BV": bv}, num_warps=4, num_stages=2)])
         monkeypatch.setattr(kernel, "cache", {})
@@ -289,7 +291,39 @@ def test_chunked_op_passes_opcheck(with_initial_state):
     for x in args:
         if x is not None:
             x.requires_grad_(True)
-    torch.library.opcheck(torch.ops.atma.gated_delta_chunk_fwd, (*args, True))
+    torch.library.opcheck(torch.ops.atma.gated_delta_chunk_fwd, (*args, True, True))
+
+
+@interpreter_only
+def test_backward_reuses_the_forward_workspaces():
+    """A forward with gradients keeps its workspaces; the backward runs neither of the forward's
+    workspace kernels again. Without gradients the workspaces come back empty."""
+    from atma_titan.kernels.gated_delta import triton_chunked
+
+    inputs = cast(random_inputs(1, 70, 2, 16, 32, with_initial_state=True, seed=4), torch.float32)
+    launched = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    names = ["_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_grad_transform_kernel"]
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(triton_chunked, name, Counting(name, getattr(triton_chunked, name))))
+        with torch.no_grad():
+            _, _, *empty = torch.ops.atma.gated_delta_chunk_fwd(*inputs.values(), True, False)
+        assert all(w.numel() == 0 for w in empty) and len(empty) == len(triton_chunked.WORKSPACES)
+        launched.clear()
+        args = {name: x.requires_grad_(True) for name, x in inputs.items()}
+        r, state = gated_delta_chunked_triton(**args)
+        (r.square().sum() + state.sum()).backward()
+    assert launched == names, launched  # one prepare and one state pass: the forward's
+    assert all(x.grad is not None for x in args.values())
 
 
 def test_step_op_passes_opcheck():

@@ -61,7 +61,12 @@ def test_gpu_dot_tiles_stay_clear_of_the_hopper_miscompile():
     for dim in (1, 16, 24, 64, 80, 128, 200):
         assert chunked._block(dim) >= max(64, dim)
     assert chunked._dims(torch.empty(1, 1, 1, 24), torch.empty(1, 1, 1, 40))["bk"] == 64
-    for kernel in (chunked._state_fwd_kernel, chunked._output_kernel, chunked._grad_kernel):
+    for kernel in (
+        chunked._state_fwd_kernel,
+        chunked._output_kernel,
+        chunked._grad_transform_kernel,
+        chunked._grad_output_kernel,
+    ):
         assert kernel.configs and all(c.kwargs["BV"] >= 64 for c in kernel.configs)
     wide, narrow = triton.Config({"BV": 128}, num_warps=4), triton.Config({"BV": 64}, num_warps=4)
     assert chunked._prune_wide_blocks([wide, narrow], {}, DV=40) == [narrow]

@@ -77,7 +77,8 @@ def test_model_launches_cover_every_kernel():
     """The recorded launches include every Triton kernel of the model at the 370M shapes."""
     names = {case.kernel for case in _cases()}
     assert {"polar.fwd", "polar.bwd_dq", "polar.bwd_dkdv", "polar.bwd_preamble", "polar.decode"} <= names
-    assert {f"gated_delta.{k}" for k in ("prepare", "state_fwd", "output", "dv_local", "state_bwd", "grad")} <= names
+    gated_delta = ("prepare", "state_fwd", "output", "dv_local", "state_bwd", "grad_transform", "grad_output")
+    assert {f"gated_delta.{k}" for k in gated_delta} <= names
     assert "gated_delta.step" in names
     assert {"softcap_ce.rows", "softcap_ce.grad"} <= names
     assert {"muon.stage", "muon.apply"} <= names
@@ -176,7 +177,8 @@ def test_autotuned_kernels_prune_by_fit(compiler):
         (attention.polar_bwd_dkdv_kernel, attention.DKDV_CONFIGS),
         (chunked._state_fwd_kernel, chunked.SEQUENTIAL_CONFIGS),
         (chunked._output_kernel, chunked.PARALLEL_CONFIGS),
-        (chunked._grad_kernel, chunked.GRAD_CONFIGS),
+        (chunked._grad_transform_kernel, chunked.GRAD_CONFIGS),
+        (chunked._grad_output_kernel, chunked.GRAD_CONFIGS),
     ):
         assert kernel.configs == configs and len(configs) > 1
         assert isinstance(kernel.early_config_prune, compiler.FittingPrune)

@@ -7,9 +7,15 @@ are the single implementations.
 Registered ops (custom_op everywhere: it compiles with fullgraph=True on CUDA and on CPU, where a
 triton_op would make Inductor try to build the kernel):
 
-    atma::gated_delta_chunk_fwd(q, k, v, log_gamma, beta, initial_state?, normalize_qk) -> (r, final_state)
-    atma::gated_delta_chunk_bwd(q, k, v, log_gamma, beta, initial_state?, dr, dfinal, normalize_qk)
+    atma::gated_delta_chunk_fwd(q, k, v, log_gamma, beta, initial_state?, normalize_qk, keep_workspaces)
+        -> (r, final_state, *workspaces)
+    atma::gated_delta_chunk_bwd(q, k, v, log_gamma, beta, *workspaces, dr, dfinal, normalize_qk)
         -> (dq, dk, dv, dlog_gamma, dbeta, dinitial_state)
+
+A forward that gradients flow through keeps its workspaces (triton_chunked.WORKSPACES: the UT transform,
+the deltas and every chunk's start state: 5.5x the size of v at Dk = Dv = 128) as extra outputs, saved for the backward,
+so that the backward does not run the forward's two sequential-in-chunks kernels again; any other forward
+returns them empty.
     atma::gated_delta_step(state_pool!, slots, q, k, v, log_gamma, beta, normalize_qk) -> r
 
 Triton (triton_chunked.py, triton_step.py) is imported only when a kernel first runs, so importing
@@ -62,16 +68,33 @@ def _chunk_fwd(
     beta: torch.Tensor,
     initial_state: Optional[torch.Tensor],
     normalize_qk: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep_workspaces: bool,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:  # r, final_state and the six workspaces
     _require_triton_device(q)
-    return _chunked_kernels().chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+    kernels = _chunked_kernels()
+    r, final_state, workspaces = kernels.chunk_forward(
+        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_workspaces
+    )
+    return r, final_state, *(workspaces or _no_workspaces(q))
+
+
+def _no_workspaces(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The empty stand-ins a forward without gradients returns for the workspaces (custom ops have fixed outputs)."""
+    return tuple(q.new_empty(0) for _ in _chunked_kernels().WORKSPACES)
 
 
 @_chunk_fwd.register_fake
-def _chunk_fwd_fake(q, k, v, log_gamma, beta, initial_state, normalize_qk):
-    batch, _, heads, key_dim = q.shape
+def _chunk_fwd_fake(q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_workspaces):
+    batch, seq_len, heads, key_dim = q.shape
     final_state = q.new_empty(batch, heads, v.shape[-1], key_dim, dtype=torch.float32)
-    return torch.empty_like(v), final_state
+    if not keep_workspaces:
+        return torch.empty_like(v), final_state, *_no_workspaces(q)
+    kernels = _chunked_kernels()
+    shapes = kernels.workspace_shapes(batch, seq_len, heads, key_dim, v.shape[-1])
+    workspaces = (q.new_empty(shapes[n], dtype=torch.float32 if n == "g" else q.dtype) for n in kernels.WORKSPACES)
+    return torch.empty_like(v), final_state, *workspaces
 
 
 @torch.library.custom_op("atma::gated_delta_chunk_bwd", mutates_args=())
@@ -81,39 +104,47 @@ def _chunk_bwd(
     v: torch.Tensor,
     log_gamma: torch.Tensor,
     beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor],
+    workspaces: list[torch.Tensor],
     dr: torch.Tensor,
     dfinal: torch.Tensor,
     normalize_qk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _require_triton_device(q)
-    return _chunked_kernels().chunk_backward(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normalize_qk)
+    return _chunked_kernels().chunk_backward(q, k, v, log_gamma, beta, workspaces, dr, dfinal, normalize_qk)
 
 
 @_chunk_bwd.register_fake
-def _chunk_bwd_fake(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normalize_qk):
+def _chunk_bwd_fake(q, k, v, log_gamma, beta, workspaces, dr, dfinal, normalize_qk):
     like = (torch.empty_like(x) for x in (q, k, v, log_gamma, beta))
     return (*like, torch.empty_like(dfinal, dtype=torch.float32))
 
 
 def _chunk_setup_context(ctx, inputs, output):
-    q, k, v, log_gamma, beta, initial_state, normalize_qk = inputs
-    ctx.save_for_backward(q, k, v, log_gamma, beta, initial_state)
+    q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_workspaces = inputs
+    _, _, *workspaces = output
+    ctx.mark_non_differentiable(*workspaces)
+    ctx.save_for_backward(q, k, v, log_gamma, beta, *workspaces)
     ctx.normalize_qk = normalize_qk
+    ctx.kept_workspaces = keep_workspaces
     ctx.initial_dtype = None if initial_state is None else initial_state.dtype
 
 
-def _chunk_backward(ctx, dr, dfinal):
-    q, k, v, log_gamma, beta, initial_state = ctx.saved_tensors
+def _chunk_backward(ctx, dr, dfinal, *_workspace_grads):
+    if not ctx.kept_workspaces:
+        raise RuntimeError(
+            "atma::gated_delta_chunk_fwd ran with keep_workspaces=False, so it cannot be differentiated: "
+            "call gated_delta_chunked_triton, which keeps them whenever gradients flow"
+        )
+    q, k, v, log_gamma, beta, *workspaces = ctx.saved_tensors
     if dr is None:
         dr = torch.zeros_like(v)
     if dfinal is None:
         dfinal = q.new_zeros(q.shape[0], q.shape[2], v.shape[-1], q.shape[-1], dtype=torch.float32)
     dq, dk, dv, dlog_gamma, dbeta, dinitial = torch.ops.atma.gated_delta_chunk_bwd(
-        q, k, v, log_gamma, beta, initial_state, dr, dfinal, ctx.normalize_qk
+        q, k, v, log_gamma, beta, workspaces, dr, dfinal, ctx.normalize_qk
     )
     dinitial = None if ctx.initial_dtype is None else dinitial.to(ctx.initial_dtype)
-    return dq, dk, dv, dlog_gamma, dbeta, dinitial, None
+    return dq, dk, dv, dlog_gamma, dbeta, dinitial, None, None
 
 
 _chunk_fwd.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
@@ -137,7 +168,10 @@ def gated_delta_chunked_triton(
     _check_shapes(q, k, v, log_gamma, beta, initial_state)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    return torch.ops.atma.gated_delta_chunk_fwd(q, k, v, log_gamma, beta, initial_state, normalize_qk)
+    inputs = (q, k, v, log_gamma, beta, initial_state)
+    keep_workspaces = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    r, final_state, *_ = torch.ops.atma.gated_delta_chunk_fwd(*inputs, normalize_qk, keep_workspaces)
+    return r, final_state
 
 
 # ---------------------------------------------------------------------------------------------

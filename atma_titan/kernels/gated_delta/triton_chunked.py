@@ -12,14 +12,17 @@ Forward, three kernels:
                     stores each chunk's start state and U = U~ - W S^T, returns the final state
   _output_kernel    chunk-parallel: R = diag(G) Q S^T + (Q K^T * D) U
 
-Backward (the forward's workspaces are recomputed, so only the inputs are kept for it):
+Backward (from the inputs and the training forward's workspaces, WORKSPACES, which it keeps rather
+than have the backward run _prepare_kernel and _state_fwd_kernel again):
   _dv_local_kernel  chunk-parallel: dU_local = (Q K^T * D)^T dR
   _state_bwd_kernel reverse over chunks: dS_end (gradient of each chunk's end state),
                     dU = dU_local + Kd dS_end^T, and dS_start = G_C dS_end + dR^T G Q - dU^T W
-  _grad_kernel      chunk-parallel: dq, dk, dv, dlog_gamma, dbeta, through the UT transform
-                    (X = T B  =>  dB = T^T dX, dA = -dB X^T on the strict lower triangle),
-                    the decays (every use of g, then a reverse cumsum) and the L2 normalisation;
-                    two passes over Dv (UT transform, then output / state) to bound the live tiles.
+  _grad_transform_kernel  chunk-parallel: dv, dbeta, and the parts of dk and dg through the UT
+                    transform (X = T B  =>  dB = T^T dX, dA = -dB X^T on the strict lower triangle),
+                    into fp32 workspaces dk_partial and dg_partial
+  _grad_output_kernel     chunk-parallel: dq, the rest of dk and dg (through the output and the state
+                    recurrence), the reverse cumsum of dg into dlog_gamma and the L2 normalisation.
+                    Two kernels, not one: one held the accumulators of both and spilled.
 
 Only the Triton kernels and their launchers live here; torch.library registration and the
 `gated_delta(..., impl=)` entry point are in ops.py, the decode step in triton_step.py. Importing this
@@ -483,8 +486,7 @@ def _state_bwd_kernel(
 
 @_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE"])
 @triton.jit
-def _grad_kernel(
-    q_ptr,
+def _grad_transform_kernel(
     k_ptr,
     v_ptr,
     beta_ptr,
@@ -492,16 +494,11 @@ def _grad_kernel(
     inverse_ptr,
     w_ptr,
     u_tilde_ptr,
-    u_ptr,
     du_ptr,
     states_ptr,
-    dstates_ptr,
-    dr_ptr,
     dk_partial_ptr,
-    dq_ptr,
-    dk_ptr,
+    dg_partial_ptr,
     dv_ptr,
-    dlog_gamma_ptr,
     dbeta_ptr,
     T,
     H: tl.constexpr,
@@ -513,11 +510,12 @@ def _grad_kernel(
     PREC: tl.constexpr,
     BV: tl.constexpr,
 ):
-    """Two passes over the Dv blocks, so that only one group of accumulators is live at a time:
-    first the UT transform (through W and U~: dv, dbeta, and the parts of dk and dg through W and A),
-    then the output and the state recurrence (through R and S: dq, the rest of dk and dg). The first
-    pass's part of dk waits in dk_partial (fp32, (B * H, padded_len, Dk), read back by this program
-    from L2) rather than in registers, where it spilled."""
+    """Gradients through the UT transform: dv, dbeta, and the parts of dk and dg through W and A (into
+    dk_partial and dg_partial, fp32, which _grad_output_kernel finishes).
+
+    U~ = T diag(beta) V and W = T diag(beta G) K, so dB = T^T dX for X = U~, W, and
+    dA = -(dB_V U~^T + dB_K W^T) = -T^T (dU~ U~^T + dW W^T) on the strict lower triangle.
+    U = U~ - W S^T gives dU~ = dU and dW = -dU S."""
     n, bh = tl.program_id(0), tl.program_id(1)
     b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
     t, t_mask = _chunk_tokens(n, rows, T, C)
@@ -527,13 +525,9 @@ def _grad_kernel(
     gates = _gate_offsets(b, h, t, T, H)
     beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
     g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
-    g_end = _chunk_end_decay(g_ptr, bh, n, padded_len, C)
     decay = tl.exp(g)
     inverse = tl.load(_inverse_ptrs(inverse_ptr, bh, n, n_chunks, rows, C)).to(DT)  # T
 
-    # Pass 1, UT transform: U~ = T diag(beta) V and W = T diag(beta G) K, so dB = T^T dX for X = U~, W,
-    # and dA = -(dB_V U~^T + dB_K W^T) = -T^T (dU~ U~^T + dW W^T) on the strict lower triangle.
-    # U = U~ - W S^T gives dU~ = dU and dW = -dU S.
     dw = tl.zeros([C, BK], dtype=tl.float32)
     d_outer = tl.zeros([C, C], dtype=tl.float32)  # dU~ U~^T, then + dW W^T
     dbeta = tl.zeros([C], dtype=tl.float32)
@@ -572,17 +566,48 @@ def _grad_kernel(
     keys_dot_d_rhs = tl.sum(k * d_rhs_keys, axis=1)
     dbeta += decay * keys_dot_d_rhs + tl.sum(da * key_overlap, axis=1)
     tl.store(dbeta_ptr + gates, dbeta.to(dbeta_ptr.dtype.element_ty), mask=t_mask)
-    # every place g appears (summed over t, then g_t = cumsum(log_gamma) turns into a reverse cumsum)
+    # g's uses here, summed over t (the reverse cumsum to dlog_gamma waits for _grad_output_kernel's)
     through_a = da * beta[:, None] * key_overlap
     dg = tl.sum(through_a, axis=1) - tl.sum(through_a, axis=0) + beta * decay * keys_dot_d_rhs
+    tl.store(_decay_ptrs(dg_partial_ptr, bh, t, padded_len), dg)
 
-    # Pass 2, output and state recurrence: R = diag(G) Q S^T + (Q K^T * D) U and S_end = G_C S + U^T Kd.
-    # program_id(2) is an opaque zero (the grid has two axes): the masks and pointer tiles of this pass are
-    # computed afresh rather than reused from the first, which would keep them in registers across the loop.
-    t = t + tl.program_id(2)
-    t_mask = t < T
-    rows = t - n * C
+
+@_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@triton.jit
+def _grad_output_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    u_ptr,
+    states_ptr,
+    dstates_ptr,
+    dr_ptr,
+    dk_partial_ptr,
+    dg_partial_ptr,
+    dq_ptr,
+    dk_ptr,
+    dlog_gamma_ptr,
+    T,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    PREC: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """Gradients through the output and the state recurrence, R = diag(G) Q S^T + (Q K^T * D) U and
+    S_end = G_C S + U^T Kd: dq, then dk and dlog_gamma with _grad_transform_kernel's parts added, and
+    the L2 normalisation's backward."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
+    t, t_mask = _chunk_tokens(n, rows, T, C)
+    k_cols = tl.arange(0, BK)
+    DT = u_ptr.dtype.element_ty
+
     g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
+    g_end = _chunk_end_decay(g_ptr, bh, n, padded_len, C)
     decay = tl.exp(g)
     d_qs = tl.zeros([C, BK], dtype=tl.float32)  # dR S: gradient of Q S^T's Q
     d_k_to_end = tl.zeros([C, BK], dtype=tl.float32)  # U dS_end
@@ -611,7 +636,7 @@ def _grad_kernel(
     scores = tl.dot(q_dt, tl.trans(k_dt), input_precision=PREC) * causal
     d_scores_decayed = (d_scores * causal).to(DT)
     dq = decay[:, None] * d_qs + tl.dot(d_scores_decayed, k_dt, input_precision=PREC)
-    dg += decay * tl.sum(q * d_qs, axis=1)
+    dg = tl.load(_decay_ptrs(dg_partial_ptr, bh, t, padded_len)) + decay * tl.sum(q * d_qs, axis=1)
     dq = _normalize_rows_backward(q, q_norm, q_denom, dq, NORMALIZE)
     _store_tokens(dq_ptr, dq, b, h, t, t_mask, k_cols, T, H, DK)
 
@@ -622,8 +647,9 @@ def _grad_kernel(
     dg += tl.sum(through_scores, axis=1) - tl.sum(through_scores, axis=0) - through_to_end
     dg_end = tl.exp(g_end) * tl.sum(state_dot_dstate, axis=0) + tl.sum(through_to_end, axis=0)
     dg += tl.where(rows == C - 1, dg_end, 0.0)
+    # every use of g summed over t; g_t = cumsum(log_gamma) turns that into a reverse cumsum
     dlog_gamma = tl.sum(dg, axis=0) - tl.cumsum(dg, axis=0) + dg
-    tl.store(dlog_gamma_ptr + gates, dlog_gamma.to(dlog_gamma_ptr.dtype.element_ty), mask=t_mask)
+    tl.store(dlog_gamma_ptr + _gate_offsets(b, h, t, T, H), dlog_gamma.to(dlog_gamma_ptr.dtype.element_ty), mask=t_mask)
     dk = _normalize_rows_backward(k, k_norm, k_denom, dk, NORMALIZE)
     _store_tokens(dk_ptr, dk, b, h, t, t_mask, k_cols, T, H, DK)
 
@@ -661,24 +687,46 @@ def _dims(q: torch.Tensor, v: torch.Tensor) -> dict:
     }
 
 
+# What a training forward keeps for its backward, in this order: cumulative log decays g (fp32), the UT
+# transform's inverse T, W, U~, the deltas U and every chunk's start state S (in the products' dtype).
+WORKSPACES = ("g", "inverse", "w", "u_tilde", "u", "states")
+
+
+def workspace_shapes(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int) -> dict[str, tuple]:
+    """Shape of each of WORKSPACES: head-major (B * H, ...) tensors over the sequence padded to whole chunks."""
+    bh, n_chunks = batch * heads, triton.cdiv(seq_len, CHUNK)
+    padded_len = n_chunks * CHUNK
+    return {
+        "g": (bh, padded_len),
+        "inverse": (bh, n_chunks, CHUNK, CHUNK),
+        "w": (bh, padded_len, key_dim),
+        "u_tilde": (bh, padded_len, value_dim),
+        "u": (bh, padded_len, value_dim),
+        "states": (bh, n_chunks, value_dim, key_dim),
+    }
+
+
+def _new_workspaces(q, v, names) -> dict[str, torch.Tensor]:
+    """Uninitialised workspaces `names` for inputs q, v: g in fp32, the rest in the products' dtype."""
+    batch, seq_len, heads, key_dim = q.shape
+    shapes = workspace_shapes(batch, seq_len, heads, key_dim, v.shape[-1])
+    dot_dtype, _ = _dot_setup(q)
+    return {n: q.new_empty(shapes[n], dtype=torch.float32 if n == "g" else dot_dtype) for n in names}
+
+
+def _common(d: dict) -> dict:
+    """The constexpr launch arguments every chunked kernel takes."""
+    return {"H": d["heads"], "DK": d["key_dim"], "DV": d["value_dim"], "BK": d["bk"], "C": CHUNK}
+
+
 def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, keep_inverse: bool):
     """Run _prepare_kernel and _state_fwd_kernel; everything the output (and with keep_inverse the backward) needs."""
     d = _dims(q, v)
-    dot_dtype, prec = _dot_setup(q)
+    _, prec = _dot_setup(q)
     bh, n_chunks = d["batch"] * d["heads"], d["n_chunks"]
-    padded_len = n_chunks * CHUNK
-    device = q.device
-    ws = {
-        "g": torch.empty(bh, padded_len, device=device, dtype=torch.float32),
-        "w": torch.empty(bh, padded_len, d["key_dim"], device=device, dtype=dot_dtype),
-        "u_tilde": torch.empty(bh, padded_len, d["value_dim"], device=device, dtype=dot_dtype),
-        "u": torch.empty(bh, padded_len, d["value_dim"], device=device, dtype=dot_dtype),
-        "states": torch.empty(bh, n_chunks, d["value_dim"], d["key_dim"], device=device, dtype=dot_dtype),
-    }
-    if keep_inverse:
-        ws["inverse"] = torch.empty(bh, n_chunks, CHUNK, CHUNK, device=device, dtype=dot_dtype)
-    final_state = torch.empty(d["batch"], d["heads"], d["value_dim"], d["key_dim"], device=device, dtype=torch.float32)
-    common = {"H": d["heads"], "DK": d["key_dim"], "DV": d["value_dim"], "BK": d["bk"], "C": CHUNK}
+    ws = _new_workspaces(q, v, [name for name in WORKSPACES if keep_inverse or name != "inverse"])
+    final_state = q.new_empty(d["batch"], d["heads"], d["value_dim"], d["key_dim"], dtype=torch.float32)
+    common = _common(d)
     _prepare_kernel[(n_chunks, bh)](
         k, v, log_gamma, beta, ws["g"], ws["inverse"] if keep_inverse else ws["w"], ws["w"], ws["u_tilde"],
         d["seq_len"], BVF=d["bv_full"], NORMALIZE=normalize_qk, PREC=prec, INV_PREC=_inverse_precision(prec),
@@ -696,35 +744,37 @@ def _contiguous(*tensors):
     return [None if x is None else x.contiguous() for x in tensors]
 
 
-def chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool):
-    """(r (B, T, H, Dv) in v's dtype, final_state (B, H, Dv, Dk) fp32)."""
+def chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, keep_workspaces: bool = False):
+    """(r (B, T, H, Dv) in v's dtype, final_state (B, H, Dv, Dk) fp32, workspaces): with keep_workspaces the
+    tensors of WORKSPACES, in that order, for chunk_backward; else an empty tuple."""
     q, k, v, log_gamma, beta, initial_state = _contiguous(q, k, v, log_gamma, beta, initial_state)
     batch, seq_len, heads, key_dim = q.shape
     if seq_len == 0:
-        return _empty_sequence(q, v, initial_state)
+        r, final_state = _empty_sequence(q, v, initial_state)
+        return r, final_state, tuple(_new_workspaces(q, v, WORKSPACES).values()) if keep_workspaces else ()
     d, ws, final_state, common, prec = _forward_workspaces(
-        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_inverse=False
+        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_inverse=keep_workspaces
     )
     r = torch.empty_like(v)
     _output_kernel[lambda meta: (d["n_chunks"], batch * heads, triton.cdiv(d["value_dim"], meta["BV"]))](
         q, k, ws["g"], ws["u"], ws["states"], r, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common
     )
-    return r, final_state
+    return r, final_state, tuple(ws[name] for name in WORKSPACES) if keep_workspaces else ()
 
 
-def chunk_backward(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normalize_qk: bool):
-    """Gradients (dq, dk, dv, dlog_gamma, dbeta, dinitial_state fp32) of chunk_forward."""
-    q, k, v, log_gamma, beta, initial_state, dr, dfinal = _contiguous(
-        q, k, v, log_gamma, beta, initial_state, dr, dfinal
-    )
+def chunk_backward(q, k, v, log_gamma, beta, workspaces, dr, dfinal, normalize_qk: bool):
+    """Gradients (dq, dk, dv, dlog_gamma, dbeta, dinitial_state fp32) of chunk_forward, given the workspaces
+    its training forward kept (keep_workspaces=True)."""
+    q, k, v, log_gamma, beta, dr, dfinal = _contiguous(q, k, v, log_gamma, beta, dr, dfinal)
     batch, seq_len, heads, key_dim = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dlog_gamma, dbeta = torch.empty_like(log_gamma), torch.empty_like(beta)
     if seq_len == 0:
         return dq, dk, dv, dlog_gamma, dbeta, dfinal.float().clone()
-    d, ws, _, common, prec = _forward_workspaces(
-        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_inverse=True
-    )
+    d = _dims(q, v)
+    _, prec = _dot_setup(q)
+    common = _common(d)
+    ws = dict(zip(WORKSPACES, workspaces, strict=True))
     bh, n_chunks = batch * heads, d["n_chunks"]
     du_local = torch.empty(ws["u"].shape, device=q.device, dtype=torch.float32)
     du = torch.empty_like(du_local)
@@ -739,9 +789,14 @@ def chunk_backward(q, k, v, log_gamma, beta, initial_state, dr, dfinal, normaliz
         NORMALIZE=normalize_qk, PREC=prec, **common,
     )  # fmt: skip
     dk_partial = torch.empty(ws["w"].shape, device=q.device, dtype=torch.float32)
-    _grad_kernel[(n_chunks, bh)](
-        q, k, v, beta, ws["g"], ws["inverse"], ws["w"], ws["u_tilde"], ws["u"], du, ws["states"], dstates, dr,
-        dk_partial, dq, dk, dv, dlog_gamma, dbeta, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common,
+    dg_partial = torch.empty_like(ws["g"])
+    _grad_transform_kernel[(n_chunks, bh)](
+        k, v, beta, ws["g"], ws["inverse"], ws["w"], ws["u_tilde"], du, ws["states"], dk_partial, dg_partial,
+        dv, dbeta, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common,
+    )  # fmt: skip
+    _grad_output_kernel[(n_chunks, bh)](
+        q, k, ws["g"], ws["u"], ws["states"], dstates, dr, dk_partial, dg_partial, dq, dk, dlog_gamma, seq_len,
+        NORMALIZE=normalize_qk, PREC=prec, **common,
     )  # fmt: skip
     return dq, dk, dv, dlog_gamma, dbeta, dinitial
 
