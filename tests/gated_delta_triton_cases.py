@@ -325,6 +325,11 @@ def test_backward_reuses_the_forward_workspaces():
     assert launched == names, launched  # one prepare and one state pass: the forward's
     assert all(x.grad is not None for x in args.values())
 
+    # the op called directly without its workspaces refuses a backward instead of recomputing them
+    r, *_ = torch.ops.atma.gated_delta_chunk_fwd(*args.values(), True, False)
+    with pytest.raises(RuntimeError, match="keep_workspaces=False"):
+        r.sum().backward()
+
 
 def test_step_op_passes_opcheck():
     pool = torch.randn(3, 1, 16, 16)

@@ -11,12 +11,12 @@ triton_op would make Inductor try to build the kernel):
         -> (r, final_state, *workspaces)
     atma::gated_delta_chunk_bwd(q, k, v, log_gamma, beta, *workspaces, dr, dfinal, normalize_qk)
         -> (dq, dk, dv, dlog_gamma, dbeta, dinitial_state)
+    atma::gated_delta_step(state_pool!, slots, q, k, v, log_gamma, beta, normalize_qk) -> r
 
 A forward that gradients flow through keeps its workspaces (triton_chunked.WORKSPACES: the UT transform,
-the deltas and every chunk's start state: 5.5x the size of v at Dk = Dv = 128) as extra outputs, saved for the backward,
-so that the backward does not run the forward's two sequential-in-chunks kernels again; any other forward
-returns them empty.
-    atma::gated_delta_step(state_pool!, slots, q, k, v, log_gamma, beta, normalize_qk) -> r
+the deltas and every chunk's start state, 5.5x the size of v at Dk = Dv = 128) as extra outputs saved
+for the backward, so that the backward does not run the forward's two workspace kernels again; any
+other forward returns them empty.
 
 Triton (triton_chunked.py, triton_step.py) is imported only when a kernel first runs, so importing
 this module (and the model) never needs triton. On CPU the chunked kernels run only under
@@ -87,14 +87,12 @@ def _no_workspaces(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 @_chunk_fwd.register_fake
 def _chunk_fwd_fake(q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_workspaces):
-    batch, seq_len, heads, key_dim = q.shape
+    batch, _, heads, key_dim = q.shape
     final_state = q.new_empty(batch, heads, v.shape[-1], key_dim, dtype=torch.float32)
     if not keep_workspaces:
         return torch.empty_like(v), final_state, *_no_workspaces(q)
     kernels = _chunked_kernels()
-    shapes = kernels.workspace_shapes(batch, seq_len, heads, key_dim, v.shape[-1])
-    workspaces = (q.new_empty(shapes[n], dtype=torch.float32 if n == "g" else q.dtype) for n in kernels.WORKSPACES)
-    return torch.empty_like(v), final_state, *workspaces
+    return torch.empty_like(v), final_state, *kernels.new_workspaces(q, v, kernels.WORKSPACES).values()
 
 
 @torch.library.custom_op("atma::gated_delta_chunk_bwd", mutates_args=())

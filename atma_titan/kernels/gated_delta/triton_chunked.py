@@ -95,7 +95,9 @@ PARALLEL_CONFIGS = _configs(_BV["parallel"], [4, 8], [2, 3])
 # One warpgroup: the prepare kernel's (C, C) tiles come out of wgmma, which has 4 warps cover 64 rows;
 # 8 warps duplicate them, and in this kernel spill (benchmarks/gated_delta.py --resources).
 PREPARE_WARPS = 4
-GRAD_CONFIGS = _configs(_BV["grad"], [4, 8], [2] if INTERPRET else [1, 2])
+# 8 warps, 2 stages first: the choice without autotuning (ATMA_TRITON_AUTOTUNE=0), whose two gradient
+# kernels spill least on sm_80 / 89 / 90 of these four (benchmarks/results/kernel_resources.json).
+GRAD_CONFIGS = _configs(_BV["grad"], [8, 4], [2] if INTERPRET else [2, 1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,7 +708,7 @@ def workspace_shapes(batch: int, seq_len: int, heads: int, key_dim: int, value_d
     }
 
 
-def _new_workspaces(q, v, names) -> dict[str, torch.Tensor]:
+def new_workspaces(q, v, names) -> dict[str, torch.Tensor]:
     """Uninitialised workspaces `names` for inputs q, v: g in fp32, the rest in the products' dtype."""
     batch, seq_len, heads, key_dim = q.shape
     shapes = workspace_shapes(batch, seq_len, heads, key_dim, v.shape[-1])
@@ -724,7 +726,7 @@ def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: b
     d = _dims(q, v)
     _, prec = _dot_setup(q)
     bh, n_chunks = d["batch"] * d["heads"], d["n_chunks"]
-    ws = _new_workspaces(q, v, [name for name in WORKSPACES if keep_inverse or name != "inverse"])
+    ws = new_workspaces(q, v, [name for name in WORKSPACES if keep_inverse or name != "inverse"])
     final_state = q.new_empty(d["batch"], d["heads"], d["value_dim"], d["key_dim"], dtype=torch.float32)
     common = _common(d)
     _prepare_kernel[(n_chunks, bh)](
@@ -751,7 +753,7 @@ def chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, k
     batch, seq_len, heads, key_dim = q.shape
     if seq_len == 0:
         r, final_state = _empty_sequence(q, v, initial_state)
-        return r, final_state, tuple(_new_workspaces(q, v, WORKSPACES).values()) if keep_workspaces else ()
+        return r, final_state, tuple(new_workspaces(q, v, WORKSPACES).values()) if keep_workspaces else ()
     d, ws, final_state, common, prec = _forward_workspaces(
         q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_inverse=keep_workspaces
     )
