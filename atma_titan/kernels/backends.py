@@ -26,6 +26,7 @@ __all__ = [
     "INTERPRET",
     "autotune_choices",
     "built_for_interpreter",
+    "gradients_flow",
     "kernel_module",
     "triton_installed",
     "triton_runs_on",
@@ -35,6 +36,12 @@ __all__ = [
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
+
+
+def gradients_flow(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will differentiate through an op on `tensors`: the test for a hand-written
+    backward (the MLP, the conv mixer, the fused loss) and for keeping a kernel's workspaces for one."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def triton_installed() -> bool:

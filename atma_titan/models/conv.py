@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atma_titan.kernels.backends import gradients_flow
 from atma_titan.kernels.short_conv import gated_conv, gated_conv_backward
 from atma_titan.models.flavors import ModelArgs
-from atma_titan.models.layers import CausalDepthwiseConv, gradients_flow
+from atma_titan.models.layers import CausalDepthwiseConv
 
 
 class GatedShortConv(nn.Module):

@@ -10,13 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atma_titan.kernels.backends import gradients_flow
 from atma_titan.kernels.glu import check_kind, glu, glu_backward
 from atma_titan.kernels.short_conv import causal_conv
-
-
-def gradients_flow(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd will differentiate through an op on `tensors` (the hand-written backwards' test)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

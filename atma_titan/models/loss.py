@@ -26,8 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from atma_titan.kernels.backends import gradients_flow
 from atma_titan.kernels.softcap_ce import kernel_runs, softcap, softcap_ce_backward_, softcap_ce_forward
-from atma_titan.models.layers import gradients_flow
 
 __all__ = ["LossTargets", "chunk_tokens_for", "linear_softcap_cross_entropy", "softcap", "add_product_"]
 

@@ -167,7 +167,7 @@ def gated_delta_chunked_triton(
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     inputs = (q, k, v, log_gamma, beta, initial_state)
-    keep_workspaces = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    keep_workspaces = backends.gradients_flow(*inputs)
     r, final_state, *_ = torch.ops.atma.gated_delta_chunk_fwd(*inputs, normalize_qk, keep_workspaces)
     return r, final_state
 
