@@ -9,9 +9,13 @@
 
 Each variant is a real `torchrun -m atma_titan.train` run (FSDP2 under torchrun, even on one GPU);
 tokens/s and MFU are medians over the steps after `--warmup`, and each variant is also reported as
-a ratio to the first one. With `--baseline softmax` the same trainer first trains a same-size softmax
-transformer (BASELINES: softmax attention in every block, RoPE, no Canon, no memory; the same widths,
-MLP, optimizer, batch and data) under `--baseline-variant`, and every row gets its ratio to it.
+a ratio to the first one. A variant with a smaller optimizer batch than the config's (step32k) runs
+`--steps` and `--warmup` times as many steps, so that every variant is timed over the same tokens: 7
+steps of one 32K micro-batch are one second of training, where a transient (steps 7-8 of such runs
+were 4-7% slower in sessions 17-19) moves the median. With `--baseline softmax` the same trainer
+first trains a same-size softmax transformer (BASELINES: softmax attention in every block, RoPE, no
+Canon, no memory; the same widths, MLP, optimizer, batch and data) under `--baseline-variant`, and
+every row gets its ratio to it.
 Results go to benchmarks/results/train_speed-<tag>.json.
 """
 
@@ -62,7 +66,19 @@ def variant_args(name: str) -> list[str]:
     return [arg for switch in name.split("+") for arg in SWITCHES[switch]]
 
 
+def steps_per_config_step(name: str, config: str, extra: list[str]) -> int:
+    """How many of the variant's optimizer steps train the tokens of one step of the config's batch: 1, or
+    more where the variant sets a smaller batch."""
+    from atma_titan.config import load_config
+
+    base = ["--config", config, *extra]
+    batch = load_config(base).training.batch_tokens
+    return max(1, batch // load_config(base + variant_args(name)).training.batch_tokens)
+
+
 def run_variant(name: str, args, extra: list[str], folder: Path, baseline: str | None = None) -> dict:
+    scale = steps_per_config_step(name, args.config, extra)
+    steps, warmup = args.steps * scale, args.warmup * scale
     cmd = [
         sys.executable,
         "-m",
@@ -74,7 +90,7 @@ def run_variant(name: str, args, extra: list[str], folder: Path, baseline: str |
         "--config",
         args.config,
         "--training.steps",
-        str(args.steps),
+        str(steps),
         "--metrics.log_freq",
         "1",
         "--job.print_config",
@@ -101,10 +117,12 @@ def run_variant(name: str, args, extra: list[str], folder: Path, baseline: str |
         tail = log_path.read_text()[-2000:]
         return {"variant": label, "error": f"{why}; log {log_path}:\n{tail}", "wall_s": wall}
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in rows if r["step"] > args.warmup]
+    timed = [r for r in rows if r["step"] > warmup]
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
     return {
         "variant": label,
+        "steps": steps,
+        "timed_steps": len(timed),
         "tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
         "mfu": statistics.median(mfu) if mfu else None,
         "peak_memory_gib": max(r["memory_gib"] for r in rows),

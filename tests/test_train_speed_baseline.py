@@ -1,6 +1,9 @@
 """benchmarks/train_speed.py --baseline softmax: a same-size softmax transformer through the same trainer."""
 
 import importlib.util
+import json
+import statistics
+from pathlib import Path
 
 import torch
 
@@ -47,3 +50,34 @@ def test_the_reshard_switch_turns_on_what_one_rank_leaves_off():
     recipe = ["--config", str(ROOT / "train_configs" / "atma_370m.toml")]
     assert load_config(recipe).parallelism.reshard_after_forward is None  # one rank: no re-gather in backward
     assert load_config(recipe + bench.variant_args("reshard")).parallelism.reshard_after_forward is True
+
+
+def test_a_smaller_batch_runs_more_steps_over_the_same_tokens(tmp_path, monkeypatch):
+    """step32k (one micro-batch of the recipe's 16) runs 16 times the steps and leaves 16 times the warm-up
+    out of its median; the other switches keep the config's batch and the steps asked for."""
+    import subprocess
+    import types
+
+    bench = train_speed()
+    config = str(ROOT / "train_configs" / "atma_370m.toml")
+    assert bench.steps_per_config_step("compile+selective+step32k", config, []) == 16
+    assert bench.steps_per_config_step("compile+selective+l4", config, []) == 1
+    assert bench.steps_per_config_step("compile+step32k", config, ["--training.batch_tokens", "65536"]) == 2
+
+    def fake_run(cmd, **kwargs):  # the trainer's metrics.jsonl: steps 1..N, step k at k tokens/s
+        steps = int(cmd[cmd.index("--training.steps") + 1])
+        folder = Path(cmd[cmd.index("--job.dump_folder") + 1])
+        folder.mkdir(parents=True)
+        rows = [
+            {"step": k, "tokens_per_second": k, "mfu": None, "memory_gib": 1.0, "loss": 1.0}
+            for k in range(1, steps + 1)
+        ]
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = types.SimpleNamespace(config=config, steps=10, warmup=3, nproc=1, timeout=60, out=str(tmp_path), tag="t")
+    one = bench.run_variant("compile+selective+step32k", args, [], tmp_path / "a")
+    assert (one["steps"], one["timed_steps"], one["tokens_per_second"]) == (160, 112, statistics.median(range(49, 161)))
+    recipe = bench.run_variant("compile+selective", args, [], tmp_path / "b")
+    assert (recipe["steps"], recipe["timed_steps"], recipe["tokens_per_second"]) == (10, 7, 7)
