@@ -11,8 +11,8 @@ Each variant is a real `torchrun -m atma_titan.train` run (FSDP2 under torchrun,
 tokens/s and MFU are medians over the steps after `--warmup`, and each variant is also reported as
 a ratio to the first one. A variant with a smaller optimizer batch than the config's (step32k) runs
 `--steps` and `--warmup` times as many steps, so that every variant is timed over the same tokens: 7
-steps of one 32K micro-batch are one second of training, where a transient (steps 7-8 of such runs
-were 4-7% slower in sessions 17-19) moves the median. With `--baseline softmax` the same trainer
+steps of one 32K micro-batch are one second of training, and its dips, 4-7% slower steps that recur
+about every 6 steps, move a median of 7. With `--baseline softmax` the same trainer
 first trains a same-size softmax transformer (BASELINES: softmax attention in every block, RoPE, no
 Canon, no memory; the same widths, MLP, optimizer, batch and data) under `--baseline-variant`, and
 every row gets its ratio to it.
