@@ -25,15 +25,23 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, as in torc
 MAX_BATCH_ELEMENTS = 1 << 28  # matrices stacked into one Newton-Schulz batch: at most 512 MB of bf16
 
 
-def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
-    """Newton-Schulz approximation of U V^T for update = U S V^T, in bf16 (torch.optim.Muon's recipe).
+def orthogonalize(
+    update: torch.Tensor, steps: int, eps: float = 1e-7, compute_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Newton-Schulz approximation of U V^T for update = U S V^T, returned in bf16.
 
     `update` is one matrix (rows, cols) or a stack of them (n, rows, cols), each orthogonalised on its own.
     The iteration runs on the short side's Gram matrix. A tall matrix is worked on as it lies: its Gram
     matrix is x^T x and the polynomial multiplies x from the right (x^T's iteration, transposed), so the
-    products read no transposed copy and the result comes out in the input's layout."""
+    products read no transposed copy and the result comes out in the input's layout.
+
+    The products run in `compute_dtype`, by default bf16 on a GPU (torch.optim.Muon's recipe, bit for bit)
+    and fp32 on the CPU, where bf16 matrix products have no fast kernel on most machines: in bf16 they
+    took 55% of a debug-model training step on a 2-core CPU, and the step ran 2.4x faster in fp32."""
     a, b, c = NS_COEFFICIENTS
-    x = update.bfloat16()
+    if compute_dtype is None:
+        compute_dtype = torch.float32 if update.device.type == "cpu" else torch.bfloat16
+    x = update.to(compute_dtype)
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
     tall = x.size(-2) > x.size(-1)
     fused = torch.baddbmm if x.dim() == 3 else torch.addmm  # input * beta + alpha * (m1 @ m2)
@@ -41,7 +49,7 @@ def orthogonalize(update: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.
         gram = x.mT @ x if tall else x @ x.mT
         poly = fused(gram, gram, gram, beta=b, alpha=c)  # symmetric: x^T's left product is x's right one
         x = fused(x, x, poly, beta=a) if tall else fused(x, poly, x, beta=a)
-    return x
+    return x.bfloat16()
 
 
 # Matrices at most this small (short side, long side) are launch-bound: each Newton-Schulz product takes
@@ -221,7 +229,7 @@ class ShardExchange:
 
     def gather_owned(self, shards: list[torch.Tensor], group) -> list[torch.Tensor]:
         """First all-to-all: every rank sends its bf16 shard of each matrix to the matrix's owner, which
-        returns its whole matrices (bf16 is what orthogonalize() casts to first, so the bits are the same)."""
+        returns its whole matrices (bf16, as single-process Muon's Newton-Schulz batches hold them: the same bits)."""
         for i, shard in enumerate(shards):
             if shard.shape != (self.rows[i][self.rank], self.cols[i]):
                 raise RuntimeError(

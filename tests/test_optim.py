@@ -46,9 +46,14 @@ def test_warmup_cosine_schedule():
     assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1)
 
 
-def test_muon_equals_torch_muon_on_plain_tensors():
+def test_muon_equals_torch_muon_on_plain_tensors(monkeypatch):
+    """With its products in bf16, as on a GPU, Muon is torch.optim.Muon bit for bit (the CPU's default is fp32)."""
+    import functools
+
+    from atma_titan import optim
     from atma_titan.optim import Muon
 
+    monkeypatch.setattr(optim, "orthogonalize", functools.partial(optim.orthogonalize, compute_dtype=torch.bfloat16))
     torch.manual_seed(0)
     weights = [torch.randn(16, 8), torch.randn(4, 12), torch.randn(32, 3)]
     ours = [w.clone().requires_grad_() for w in weights]
@@ -63,6 +68,20 @@ def test_muon_equals_torch_muon_on_plain_tensors():
         opt_ref.step()
     for p, q in zip(ours, ref):
         assert torch.equal(p, q)
+
+
+def test_on_the_cpu_newton_schulz_multiplies_in_fp32_and_returns_bf16():
+    """bf16 matrix products have no fast CPU kernel on most machines; the result is bf16 either way."""
+    from atma_titan import optim
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 24, 40)
+    default = optim.orthogonalize(x, 5)
+    assert default.dtype == torch.bfloat16
+    assert torch.equal(default, optim.orthogonalize(x, 5, compute_dtype=torch.float32))
+    in_bf16 = optim.orthogonalize(x, 5, compute_dtype=torch.bfloat16)
+    assert not torch.equal(default, in_bf16)
+    torch.testing.assert_close(default.float(), in_bf16.float(), atol=3e-2, rtol=0)
 
 
 def test_muon_batches_matrices_of_one_shape_and_matches_torch_muon(monkeypatch):
