@@ -405,6 +405,7 @@ def parallel_plan(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> C
         ac_mode=cfg.activation_checkpoint.mode,
         ac_every_n=cfg.activation_checkpoint.every_n,
         ac_save=cfg.activation_checkpoint.selective_save,
+        ac_blocks=cfg.activation_checkpoint.blocks,
         compile=cfg.training.compile,
         compile_backend=cfg.training.compile_backend,
         param_dtype=torch.bfloat16 if bf16_shards else None,

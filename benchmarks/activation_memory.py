@@ -44,6 +44,7 @@ POLICIES = {  # name -> apply_activation_checkpointing's keywords ([activation_c
     "selective, save = matmuls": {"mode": "selective", "save": "matmuls"},
     "selective, save = narrow_matmuls": {"mode": "selective", "save": "narrow_matmuls"},
     "selective, save = kernels": {"mode": "selective", "save": "kernels"},
+    "selective, global blocks": {"mode": "selective", "blocks": "global"},
     "full, every_n = 2": {"mode": "full", "every_n": 2},
     "full": {"mode": "full"},
 }

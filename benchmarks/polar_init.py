@@ -165,7 +165,7 @@ def attention_weights(attn: GlobalAttention, x: torch.Tensor) -> tuple[torch.Ten
     has no null) and the number of visible keys at each query position (T,).
     """
     a = attn.args
-    q, _, k, _ = attn.project_qkv(x)
+    q, _, k, _, _ = attn.project(x)
     B, T, H, D = q.shape
     keys = k.float().repeat_interleave(H // a.n_kv_heads, dim=2).transpose(1, 2)
     scores = q.float().transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(D)

@@ -5,7 +5,7 @@
     python benchmarks/train_speed.py --variants compile+reference,compile+triton   # the kernels' effect
     python benchmarks/train_speed.py --variants compile+selective --baseline softmax   # vs a transformer
     python benchmarks/train_speed.py --baseline softmax --variants \
-        compile+selective,compile+noac,compile+selective+step32k,compile+selective+l4,compile+full+l4
+        compile+selective,compile+selective+acall,compile+noac,compile+selective+step32k,compile+selective+l4,compile+full+l4
 
 Each variant is a real `torchrun -m atma_titan.train` run (FSDP2 under torchrun, even on one GPU);
 tokens/s and MFU are medians over the steps after `--warmup`, and each variant is also reported as
@@ -38,6 +38,11 @@ SWITCHES = {
     "noac": ["--activation_checkpoint.mode", "none"],  # the recipe config itself sets selective
     "selective": ["--activation_checkpoint.mode", "selective"],
     "full": ["--activation_checkpoint.mode", "full"],
+    # AC in every block, in the global (attention + memory) blocks only (the recipe config's), or in the
+    # local (convolution) blocks only.
+    "acall": ["--activation_checkpoint.blocks", "all"],
+    "acglobal": ["--activation_checkpoint.blocks", "global"],
+    "aclocal": ["--activation_checkpoint.blocks", "local"],
     "triton": ["--model.attention_impl", "triton", "--model.memory_impl", "triton"],
     "reference": ["--model.attention_impl", "reference", "--model.memory_impl", "reference"],
     "fla": ["--model.memory_impl", "fla"],

@@ -21,12 +21,16 @@ from distributed_utils import ROOT
 
 parallelize = importlib.import_module("atma_titan.parallel.parallelize")
 POLICIES = [("selective", save) for save in parallelize.SELECTIVE_SAVES] + [("full", None)]
+DEBUG = dataclasses.replace(FLAVORS["debug"], attention_impl="reference", memory_impl="reference")
 
 
-def gradients(mode: str, save: str | None) -> dict[str, torch.Tensor]:
-    args = dataclasses.replace(FLAVORS["debug"], attention_impl="reference", memory_impl="reference")
-    ac = {"mode": mode, **({"save": save} if save else {})}
-    model = build_model(args, torch.device("cpu"), lambda m: parallelize.apply_activation_checkpointing(m, **ac), 0)
+def build(**ac):
+    return build_model(DEBUG, torch.device("cpu"), lambda m: parallelize.apply_activation_checkpointing(m, **ac), 0)
+
+
+def gradients(mode: str, save: str | None, blocks: str = "all") -> dict[str, torch.Tensor]:
+    args = DEBUG
+    model = build(mode=mode, blocks=blocks, **({"save": save} if save else {}))
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     model(tokens).logsumexp(-1).mean().backward()
     return {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
@@ -43,6 +47,23 @@ def test_every_policy_gives_the_gradients_of_no_checkpointing(plain, mode, save)
     assert plain.keys() == checkpointed.keys()
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("blocks", ["global", "local"])
+def test_checkpointing_only_some_blocks_gives_the_same_gradients(plain, blocks):
+    checkpointed = gradients("selective", "matmuls", blocks)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("blocks", ["all", "global", "local"])
+def test_blocks_chooses_which_blocks_are_checkpointed(blocks):
+    model = build(mode="selective", blocks=blocks)
+    wrapped = {name: hasattr(block, "_checkpoint_wrapped_module") for name, block in model.blocks.items()}
+    is_global = {name: model.args.is_global(int(name)) for name in model.blocks}
+    assert any(is_global.values()) and not all(is_global.values())  # the debug model has both kinds
+    local = {n: not g for n, g in is_global.items()}
+    assert wrapped == {"all": {n: True for n in wrapped}, "global": is_global, "local": local}[blocks]
 
 
 @pytest.mark.slow
@@ -69,3 +90,7 @@ def test_selective_keeps_the_kernels_and_trades_matmuls_for_memory(tmp_path):
     work = [r["matmul_tflop"] for r in saves]
     assert memory == sorted(memory, reverse=True) and len(set(memory)) == 4, memory
     assert work == sorted(work) and len(set(work)) == 3, work
+    # AC in the global blocks only: the local blocks keep their norms' outputs, so more than all blocks hold.
+    only_global = rows["selective, global blocks"]
+    assert saves[0]["peak_activation_gib"] < only_global["peak_activation_gib"] < none["peak_activation_gib"]
+    assert only_global["matmul_tflop"] == none["matmul_tflop"] and only_global["kernel_forward_calls"] == 2

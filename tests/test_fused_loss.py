@@ -293,7 +293,9 @@ def test_add_product_accumulates_bf16_products_in_fp32_in_the_matmul():
     acc = torch.randn(256, 128, device="cuda")
     a, b = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in [(256, 512), (512, 128)])
     exact = acc.double() + a.double() @ b.double()
-    got = add_product_(acc.clone(), a, b)
+    got = acc.clone()
+    assert add_product_(got, a, b) is got  # in place: no copy of acc into a new result
+    assert torch.equal(got, torch.addmm(acc, a, b, out_dtype=torch.float32))  # the out-of-place sum, bit for bit
     rounded = acc + (a @ b).float()  # the per-chunk bf16 product the epilogue avoids
     assert got.dtype == torch.float32
     assert (got.double() - exact).abs().max() < 0.5 * (rounded.double() - exact).abs().max()

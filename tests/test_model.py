@@ -176,3 +176,43 @@ def test_head_output_is_fp32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(torch.randint(0, 512, (1, 8)))
     assert logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("memory", ["true", "false"])
+def test_a_global_block_projects_its_input_in_one_matrix_product(memory):
+    """q, k, v and the memory's gates of x: one product forward, and x's gradient from one product backward,
+    with the same outputs and gradients as each projection on its own."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from atma_titan.models.layers import fused_linear
+
+    torch.manual_seed(0)
+    model = model_for("--model.flavor", "debug", "--model.memory", memory)
+    block = next(b.mixer for b in model.blocks.values() if b.is_global)
+    x = torch.randn(2, 16, model.args.d_model, requires_grad=True)
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reading_x = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                mats = args[1:] if func is torch.ops.aten.addmm.default else args
+                self.reading_x += any(m.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for m in mats)
+            return func(*args, **(kwargs or {}))
+
+    with Products() as products:
+        block.project(x)
+    assert products.reading_x == 1
+
+    linears = [block.q_proj, block.k_proj, block.v_proj, *(block.memory.input_projections() if block.memory else [])]
+    assert len(linears) == (6 if memory == "true" else 3)
+    fused = fused_linear(x, linears)
+    probes = [torch.randn_like(y) for y in fused]
+    (gx_fused,) = torch.autograd.grad(sum((y * p).sum() for y, p in zip(fused, probes)), x)
+    apart = [linear(x) for linear in linears]
+    (gx_apart,) = torch.autograd.grad(sum((y * p).sum() for y, p in zip(apart, probes)), x)
+    for y, z in zip(fused, apart):
+        torch.testing.assert_close(y, z)
+    torch.testing.assert_close(gx_fused, gx_apart)

@@ -56,7 +56,7 @@ def test_direction_reaches_w_o_at_the_memory_readout_scale():
     x = torch.randn(2, 128, block.args.d_model)
     with torch.no_grad():
         block(x)
-        gate = block.project_qkv(x)[1]
+        gate = block.project(x)[1]
     ungated = seen["polar"].view_as(gate) / torch.sigmoid(gate)
     rms = ungated.pow(2).mean(-1).sqrt()  # per head and position
     assert torch.allclose(rms, torch.ones_like(rms), atol=1e-4)
@@ -78,7 +78,7 @@ def test_null_weight_does_not_dim_the_direction_at_init():
     block = repro_block(memory=False)
     len_gain, null_base, null_slope, mag_beta, v_null = init_scalars(block)
     assert torch.count_nonzero(v_null) == 0
-    q, _, k, v = block.project_qkv(torch.randn(2, 128, block.args.d_model))
+    q, _, k, v, _ = block.project(torch.randn(2, 128, block.args.d_model))
     q, k, v = (t.detach().double() for t in (q, k, v))
     c0, mag0 = polar_attention_naive(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null)
     c1, mag1 = polar_attention_naive(q, k, v, len_gain, null_base + 4.0, null_slope, mag_beta, v_null)

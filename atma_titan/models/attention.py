@@ -22,7 +22,7 @@ from torch import nn
 from atma_titan.kernels.paged import softmax_decode
 from atma_titan.kernels.polar import polar_attention, polar_decode, polar_scalars
 from atma_titan.models.flavors import ModelArgs
-from atma_titan.models.layers import CausalDepthwiseConv, rms_norm, rotary
+from atma_titan.models.layers import CausalDepthwiseConv, fused_linear, rms_norm, rotary
 from atma_titan.models.memory import GatedDeltaMemory
 
 # Raw initial values of the per-head Polar scalars (softplus is applied where they are used).
@@ -67,13 +67,16 @@ class GlobalAttention(nn.Module):
         if self.memory is not None:
             self.memory.zero_output()
 
-    def project_qkv(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, ...]:
-        """x (B, T, d) -> q, gate (B, T, H, D) and k, v (B, T, Hkv, D), normalised and position-mixed."""
+    def project(self, x: torch.Tensor, cache=None) -> tuple:
+        """x (B, T, d) -> q, gate (B, T, H, D) and k, v (B, T, Hkv, D), normalised and position-mixed, and
+        the memory's projections of x (None without a memory): every projection of x in one matrix product."""
         a = self.args
         B, T, _ = x.shape
-        q, gate = self.q_proj(x).view(B, T, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim)
+        memory_inputs = self.memory.input_projections() if self.memory is not None else []
+        q, k, v, *projected = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj, *memory_inputs])
+        q, gate = q.view(B, T, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
+        k = k.view(B, T, a.n_kv_heads, a.head_dim)
+        v = v.view(B, T, a.n_kv_heads, a.head_dim)
         q, k = rms_norm(q, a.norm_eps), rms_norm(k, a.norm_eps)  # ||q||^2 = ||k||^2 = D
         if a.position == "rope":
             positions = None if cache is None else cache.positions
@@ -86,13 +89,13 @@ class GlobalAttention(nn.Module):
             q = q + self.canon_q(q.flatten(2), state("canon_q")).view_as(q)
             k = k + self.canon_k(k.flatten(2), state("canon_k")).view_as(k)
             v = v + self.canon_v(v.flatten(2), state("canon_v")).view_as(v)
-        return q, gate, k, v
+        return q, gate, k, v, (projected if self.memory is not None else None)
 
     def forward(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """cache (generation): the block's `atma_titan.inference` LayerCache (pages and states)."""
         a = self.args
         B, T, _ = x.shape
-        q, gate, k, v = self.project_qkv(x, cache)
+        q, gate, k, v, projected = self.project(x, cache)
         aux = None
         if a.attention == "polar":
             c, mag = self.polar(q, k, v, cache)
@@ -104,7 +107,7 @@ class GlobalAttention(nn.Module):
             o = self.softmax(q, k, v, cache)
             out = self.o_proj((o * torch.sigmoid(gate)).reshape(B, T, -1))
         if self.memory is not None:
-            out = out + self.memory(x, q, k, v, cache)
+            out = out + self.memory(projected, q, k, v, cache)
         return out, aux
 
     def polar(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,16 @@ def rotary(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def fused_linear(x: torch.Tensor, linears: list[nn.Linear]) -> list[torch.Tensor]:
+    """Each of `linears` applied to x, as one matrix product with their weights (and biases) stacked: the
+    backward then takes x's gradient in one product too, not one per projection summed up. The
+    parameters stay apart (their own optimizer treatment and checkpoint keys); the stacked copy of them is
+    made in every call (small: a d x sum(widths) matrix)."""
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = torch.cat([linear.bias for linear in linears])
+    return list(F.linear(x, weight, bias).split([linear.out_features for linear in linears], dim=-1))
+
+
 class MLP(nn.Module):
     """GLU MLP: `[a, g] = fc(x)`; relu2: `proj(g * relu(a)^2)`; swiglu: `proj(g * silu(a))`.
 

@@ -37,19 +37,26 @@ class GatedDeltaMemory(nn.Module):
         self.gate = nn.Linear(args.d_model, inner)
         self.proj = nn.Linear(inner, args.d_model)
 
-    def forward(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> torch.Tensor:
-        """x: block input (B, T, d); q: (B, T, H, dk); k, v: (B, T, Hkv, dk), expanded here to H heads.
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections of the block input x that forward() takes, in its order: the global block
+        computes them in one matrix product with its q, k and v (layers.fused_linear)."""
+        return [self.gamma_proj, self.beta_proj, self.gate]
+
+    def forward(self, projected, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> torch.Tensor:
+        """projected: input_projections() of the block input, each (B, T, width); q: (B, T, H, dk);
+        k, v: (B, T, Hkv, dk), expanded here to H heads.
 
         cache (generation): the block's LayerCache; the recurrence starts from its memory state.
         """
+        gamma_logit, beta_logit, gate_logit = projected
         B, T, H, D = q.shape
         group = H // k.shape[2]
         if group > 1:
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        log_gamma = F.logsigmoid(self.gamma_proj(x).float() + RETENTION_OFFSET) + self.log_gamma_max
-        beta = torch.sigmoid(self.beta_proj(x).float())
+        log_gamma = F.logsigmoid(gamma_logit.float() + RETENTION_OFFSET) + self.log_gamma_max
+        beta = torch.sigmoid(beta_logit.float())
         r = self.recurrence(q, k, v, log_gamma, beta, cache)
-        gate = torch.sigmoid(self.gate(x)).view(B, T, H, D)
+        gate = torch.sigmoid(gate_logit).reshape(B, T, H, D)
         return self.proj((rms_norm(r) * gate).reshape(B, T, H * D))
 
     def recurrence(self, q, k, v, log_gamma, beta, cache=None) -> torch.Tensor:

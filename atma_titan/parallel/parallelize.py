@@ -58,14 +58,26 @@ def selective_policy(max_saved_width: int | None = None):
 SELECTIVE_SAVES = ("matmuls", "narrow_matmuls", "kernels")
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every_n: int = 1, save: str = "matmuls") -> None:
-    """mode: none | full (every `every_n`-th block recomputed whole) | selective (op-level, every block,
-    keeping the kernels' outputs and the `save` matmuls' outputs)."""
+# Which blocks AC wraps: all, only the global (attention + memory) ones, or only the local (convolution) ones.
+AC_BLOCKS = {
+    "all": lambda block: True,
+    "global": lambda block: block.is_global,
+    "local": lambda block: not block.is_global,
+}
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, every_n: int = 1, save: str = "matmuls", blocks: str = "all"
+) -> None:
+    """mode: none | full (every `every_n`-th block recomputed whole) | selective (op-level, keeping the
+    kernels' outputs and the `save` matmuls' outputs); either only in the `blocks` (AC_BLOCKS) chosen."""
     if mode == "none":
         return
     max_saved_width = {"matmuls": None, "narrow_matmuls": 4 * model.args.d_model, "kernels": 0}[save]
     policy = selective_policy(max_saved_width)
     for i, (name, block) in enumerate(list(model.blocks.items())):
+        if not AC_BLOCKS[blocks](block):
+            continue
         if mode == "full" and i % every_n == 0:
             model.blocks[name] = checkpoint_wrapper(block, preserve_rng_state=True)
         elif mode == "selective":
@@ -116,12 +128,13 @@ def parallelize(
     ac_mode: str = "none",
     ac_every_n: int = 1,
     ac_save: str = "matmuls",
+    ac_blocks: str = "all",
     compile: bool = False,
     compile_backend: str = "inductor",
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool | None = None,
 ) -> nn.Module:
-    apply_activation_checkpointing(model, ac_mode, ac_every_n, ac_save)
+    apply_activation_checkpointing(model, ac_mode, ac_every_n, ac_save, ac_blocks)
     if compile:
         apply_compile(model, compile_backend)
     if dims.distributed:

@@ -1,0 +1,88 @@
+"""A global block's projections of its input as one matrix product against one product per projection.
+
+    python benchmarks/global_projections.py [--tokens 32768] [--repeats 30] [--tag h200]
+
+The projections are q with its output gate, k, v and the memory's gamma, beta and gate
+(`atma_titan.models.layers.fused_linear`; 370M widths: d 1,024 -> 2,048 + 256 + 256 + 8 + 8 + 1,024). Each
+form runs forward and backward (x's gradient and every weight's), in bf16 on a GPU, eager and compiled
+(the trainer compiles each block). Figures are medians of --repeats runs timed with CUDA events after a
+warm-up. The "one product" ratio is to the per-projection form in the same process.
+Results: benchmarks/results/global_projections-<tag>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from atma_titan.config import load_config
+from atma_titan.models.attention import GlobalAttention
+from atma_titan.models.flavors import resolve_model_args
+from atma_titan.models.layers import fused_linear
+
+
+def apart(x, linears):
+    return [F.linear(x, linear.weight, linear.bias) for linear in linears]
+
+
+def step(form, x, linears, probes):
+    """Forward, then the gradients of x and every weight and bias from a fixed probe per output (what the
+    block's later ops would send back)."""
+    outputs = form(x, linears)
+    params = [p for linear in linears for p in (linear.weight, linear.bias)]
+    torch.autograd.grad(outputs, [x, *params], probes)
+
+
+def time_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="train_configs/atma_370m.toml")
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (16 x 2,048)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("global_projections.py needs a CUDA GPU")
+    model_args = resolve_model_args(load_config(["--config", args.config]).model)
+    block = GlobalAttention(model_args).cuda().bfloat16()
+    linears = [block.q_proj, block.k_proj, block.v_proj, *block.memory.input_projections()]
+    x = torch.randn(args.tokens, model_args.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probes = [torch.randn(args.tokens, linear.out_features, device="cuda", dtype=torch.bfloat16) for linear in linears]
+    rows = []
+    for mode in ("eager", "compiled"):
+        timed = {}
+        for name, form in (("one product per projection", apart), ("one product (fused_linear)", fused_linear)):
+            run = torch.compile(form) if mode == "compiled" else form
+            timed[name] = time_ms(lambda: step(run, x, linears, probes), args.repeats)
+        base = timed["one product per projection"]
+        for name, ms in timed.items():
+            rows.append({"mode": mode, "form": name, "ms": ms, "speedup": base / ms})
+            print(f"{mode:9s} {name:28s} {ms:7.3f} ms  {base / ms:5.2f}x", flush=True)
+    out = Path(args.out) / f"global_projections-{args.tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"tokens": args.tokens, "repeats": args.repeats, "widths": [lin.out_features for lin in linears]}
+    out.write_text(json.dumps({**meta, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
