@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from atma_titan.config import load_config
 from atma_titan.models.attention import GlobalAttention
 from atma_titan.models.flavors import resolve_model_args
 from atma_titan.models.layers import fused_linear
+from one_pass_timing import median_ms
 
 
 def apart(x, linears):
@@ -36,20 +36,6 @@ def step(form, x, linears, probes):
     outputs = form(x, linears)
     params = [p for linear in linears for p in (linear.weight, linear.bias)]
     torch.autograd.grad(outputs, [x, *params], probes)
-
-
-def time_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -72,7 +58,7 @@ def main() -> None:
         timed = {}
         for name, form in (("one product per projection", apart), ("one product (fused_linear)", fused_linear)):
             run = torch.compile(form) if mode == "compiled" else form
-            timed[name] = time_ms(lambda: step(run, x, linears, probes), args.repeats)
+            timed[name] = median_ms(lambda: step(run, x, linears, probes), args.repeats)
         base = timed["one product per projection"]
         for name, ms in timed.items():
             rows.append({"mode": mode, "form": name, "ms": ms, "speedup": base / ms})
