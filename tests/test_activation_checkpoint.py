@@ -29,9 +29,8 @@ def build(**ac):
 
 
 def gradients(mode: str, save: str | None, blocks: str = "all") -> dict[str, torch.Tensor]:
-    args = DEBUG
     model = build(mode=mode, blocks=blocks, **({"save": save} if save else {}))
-    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, DEBUG.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     model(tokens).logsumexp(-1).mean().backward()
     return {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
 

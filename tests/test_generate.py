@@ -321,3 +321,18 @@ def test_cuda_generation_follows_the_full_forward():
             full = model(torch.tensor([tokens], device="cuda"))[0, len(prompt) - 1 :].float().cpu()
         ours = torch.stack([e.logits for e in cached[i]])
         assert (ours - full).abs().max() < 0.03 * full.abs().max() + 1e-3
+
+
+def test_a_decode_step_projects_without_stacking_the_weights(monkeypatch):
+    """Stacking a global block's projection weights (layers.fused_linear) pays for prompts and training; a
+    decode step reads each weight once as it is, since the stacked copy would be made for every token."""
+    from atma_titan.models import attention
+
+    token_counts = []
+    real = attention.fused_linear
+    record = lambda x, linears: token_counts.append(x.shape[1]) or real(x, linears)  # noqa: E731
+    monkeypatch.setattr(attention, "fused_linear", record)
+    model = perturbed_debug_model(**VARIANTS["polar_memory"])
+    events = run(model, [Request(p, 6, i) for i, p in enumerate(PROMPTS)])  # prefill chunks of 2-5 tokens
+    assert sum(len(e) for e in events.values()) == 6 * len(PROMPTS)
+    assert token_counts and min(token_counts) > 1

@@ -180,8 +180,8 @@ def test_head_output_is_fp32_under_bf16_autocast():
 
 @pytest.mark.parametrize("memory", ["true", "false"])
 def test_a_global_block_projects_its_input_in_one_matrix_product(memory):
-    """q, k, v and the memory's gates of x: one product forward, and x's gradient from one product backward,
-    with the same outputs and gradients as each projection on its own."""
+    """q, k, v and the memory's gates of x: one matrix product reads x, and the outputs and x's gradient are
+    those of each projection on its own."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from atma_titan.models.layers import fused_linear

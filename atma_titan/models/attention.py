@@ -69,11 +69,16 @@ class GlobalAttention(nn.Module):
 
     def project(self, x: torch.Tensor, cache=None) -> tuple:
         """x (B, T, d) -> q, gate (B, T, H, D) and k, v (B, T, Hkv, D), normalised and position-mixed, and
-        the memory's projections of x (None without a memory): every projection of x in one matrix product."""
+        the memory's projections of x (None without a memory): every projection of x in one matrix product,
+        except in a decode step, which reads each weight once as it is."""
         a = self.args
         B, T, _ = x.shape
         memory_inputs = self.memory.input_projections() if self.memory is not None else []
-        q, k, v, *projected = fused_linear(x, [self.q_proj, self.k_proj, self.v_proj, *memory_inputs])
+        linears = [self.q_proj, self.k_proj, self.v_proj, *memory_inputs]
+        if cache is not None and cache.decoding:  # one token a sequence: stacking would copy every weight per token
+            q, k, v, *projected = [linear(x) for linear in linears]
+        else:
+            q, k, v, *projected = fused_linear(x, linears)
         q, gate = q.view(B, T, a.n_heads, 2 * a.head_dim).chunk(2, dim=-1)
         k = k.view(B, T, a.n_kv_heads, a.head_dim)
         v = v.view(B, T, a.n_kv_heads, a.head_dim)
