@@ -12,18 +12,15 @@ Results: benchmarks/results/global_projections-<tag>.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from atma_titan.config import load_config
 from atma_titan.models.attention import GlobalAttention
-from atma_titan.models.flavors import resolve_model_args
 from atma_titan.models.layers import fused_linear
-from one_pass_timing import median_ms
+from one_pass_timing import median_ms, micro_batch_benchmark
 
 
 def apart(x, linears):
@@ -39,16 +36,7 @@ def step(form, x, linears, probes):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="train_configs/atma_370m.toml")
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (16 x 2,048)")
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--tag", default="h200")
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("global_projections.py needs a CUDA GPU")
-    model_args = resolve_model_args(load_config(["--config", args.config]).model)
+    args, model_args = micro_batch_benchmark(__doc__, "global_projections.py")
     block = GlobalAttention(model_args).cuda().bfloat16()
     linears = [block.q_proj, block.k_proj, block.v_proj, *block.memory.input_projections()]
     x = torch.randn(args.tokens, model_args.d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -1,11 +1,13 @@
 """Timing shared by the one-pass backward benchmarks (mlp_backward.py, conv_backward.py, mlp_ac_memory.py): a
 module compiled as training runs it, medians of CUDA-event timings, modules with autograd's and a hand-written
 backward side by side, a sweep of a fixed-config kernel's tiles against its compiled PyTorch reference, and the
-result file. Needs a GPU.
+result file; and the options of the benchmarks of one part of the model at a micro-batch (global_projections.py,
+final_norm.py). Needs a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import statistics
@@ -18,9 +20,27 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from atma_titan.config import load_config
+from atma_titan.models.flavors import ModelArgs, resolve_model_args
 from atma_titan.parallel.parallelize import selective_policy
 
 REPEATS = 20
+
+
+def micro_batch_benchmark(doc: str, script: str) -> tuple[argparse.Namespace, ModelArgs]:
+    """The command line of a benchmark of one part of the model at a micro-batch (--config, --tokens,
+    --repeats, --tag, --out, its module doc as help) and the config's model hyper-parameters; exits
+    without a GPU."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="train_configs/atma_370m.toml")
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (16 x 2,048)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    return args, resolve_model_args(load_config(["--config", args.config]).model)
 
 
 def as_training_runs(module: nn.Module) -> nn.Module:

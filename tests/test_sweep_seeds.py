@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from atma_titan import sweep
-from atma_titan.sweep import local
+from atma_titan.sweep import budget, local
 from atma_titan.sweep.plan import validate_cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -312,11 +312,19 @@ def test_gpu_hours_from_a_given_throughput_table():
 def test_builtin_table_is_the_measured_h200_and_scaled_h100_l4():
     table = sweep.parse_throughput(sweep.BUILTIN_THROUGHPUT)
     by_kind = {g.kind: g for g in table.gpus}
-    assert by_kind["H200"].measured and by_kind["H200"].tokens_per_s == 184_620
-    assert not by_kind["H100"].measured and by_kind["H100"].tokens_per_s == pytest.approx(184_620)  # 989 / 989
-    assert not by_kind["L4"].measured and by_kind["L4"].tokens_per_s == pytest.approx(184_620 * 121 / 989)
-    assert "train_speed-h200-370m-muon.json" in by_kind["H200"].basis
+    assert by_kind["H200"].measured and by_kind["H200"].tokens_per_s == 218_729
+    assert not by_kind["H100"].measured and by_kind["H100"].tokens_per_s == pytest.approx(218_729)  # 989 / 989
+    assert not by_kind["L4"].measured and by_kind["L4"].tokens_per_s == pytest.approx(218_729 * 121 / 989)
+    assert "train_speed-h200-370m-s22.json" in by_kind["H200"].basis
     assert table.reference_label == "atma_370m at 2,048 tokens" and 1.9e9 < table.reference_flops < 2.2e9
+
+
+def test_builtin_h200_figures_are_the_measurement_they_cite():
+    """The built-in tokens/s are the recipe and one-micro-batch rows of the benchmark file named as their basis."""
+    rows = json.loads((ROOT / budget.H200_MEASUREMENT).read_text())["results"]
+    measured = {row["variant"]: round(row["tokens_per_second"]) for row in rows}
+    assert measured["compile+selective"] == budget.H200_RECIPE_TOKENS_PER_S
+    assert measured["compile+selective+step32k"] == budget.H200_ONE_MICRO_BATCH_TOKENS_PER_S
 
 
 def test_plan_command_prints_hours_per_cell_and_total_and_writes_nothing(tmp_path, capsys):

@@ -10,7 +10,7 @@ training is counted (evaluation and start-up are not).
 The throughput table (BUILTIN_THROUGHPUT, or a JSON file of the same shape given by --throughput)::
 
     {"reference": {"flavor": "atma_370m", "seq_len": 2048}      (or {"flops_per_token": N, "label": ...}),
-     "gpus": {"H200": {"tokens_per_s": 184620, "basis": "measured: ..."},
+     "gpus": {"H200": {"tokens_per_s": 218729, "basis": "measured: ..."},
               "L4": {"scale_from": "H200"}}}                     (scaled by the bf16 dense peaks)
 
 An entry with "scale_from" has no measurement: its tokens/s is that kind's times the ratio of the
@@ -25,14 +25,13 @@ from pathlib import Path
 
 from atma_titan.sweep.plan import Plan, SweepError, validate_cell
 
-# Measured on one H200 (benchmarks/results/train_speed-h200-370m-*.json; README "Speed on one H200"):
-# the 370M at 2K, compile + Triton kernels, bf16, FSDP2 on one rank. 140,863 tokens/s at one
-# micro-batch of 16 x 2,048 per step (train_speed-h200-370m-muon.json, "compile+triton"); 184,620
-# at the recipe's batch (524,288 tokens a step in 16 micro-batches, selective AC: measured on the H200
-# for the throughput issue, not yet re-run into benchmarks/results), the setting a sweep cell of
-# train_configs/atma_370m.toml trains with, so the one used here.
-H200_RECIPE_TOKENS_PER_S = 184_620
-H200_ONE_MICRO_BATCH_TOKENS_PER_S = 140_863
+# Measured on one H200 (benchmarks/results/train_speed-h200-370m-s22/, README "Speed on one H200"): the 370M
+# at 2K, compile + Triton kernels, bf16, FSDP2 on one rank, the recipe's batch (524,288 tokens a step in 16
+# micro-batches, selective AC in the global blocks), the setting a sweep cell of train_configs/atma_370m.toml
+# trains with, so the one used here; and one micro-batch of 16 x 2,048 per step, for comparison.
+H200_RECIPE_TOKENS_PER_S = 218_729
+H200_ONE_MICRO_BATCH_TOKENS_PER_S = 192_700
+H200_MEASUREMENT = "benchmarks/results/train_speed-h200-370m-s22/train_speed-h200-370m-s22.json"
 BUILTIN_THROUGHPUT = {
     "reference": {"flavor": "atma_370m", "seq_len": 2048},
     "gpus": {
@@ -40,8 +39,7 @@ BUILTIN_THROUGHPUT = {
         "H200": {
             "tokens_per_s": H200_RECIPE_TOKENS_PER_S,
             "basis": "measured: atma_370m at 2K on one H200, recipe batch with selective AC, compile + Triton "
-            f"({H200_ONE_MICRO_BATCH_TOKENS_PER_S:,} at one micro-batch per step: "
-            "benchmarks/results/train_speed-h200-370m-muon.json)",
+            f"({H200_ONE_MICRO_BATCH_TOKENS_PER_S:,} at one micro-batch per step: {H200_MEASUREMENT})",
         },
         "L4": {"scale_from": "H200"},
     },
