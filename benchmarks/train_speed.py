@@ -33,7 +33,7 @@ from pathlib import Path
 
 # A variant is a '+'-joined list of these switches, e.g. "compile+selective+triton".
 SWITCHES = {
-    "eager": [],
+    "eager": ["--training.compile", "false"],
     "compile": ["--training.compile", "true"],
     "noac": ["--activation_checkpoint.mode", "none"],  # the recipe config itself sets selective
     "selective": ["--activation_checkpoint.mode", "selective"],

@@ -45,6 +45,16 @@ def test_the_l4_and_one_micro_batch_switches_match_the_configs_they_stand_for():
     assert one.training.batch_tokens == recipe.training.micro_batch_size * recipe.training.seq_len
 
 
+def test_the_recipes_train_compiled_and_the_eager_switch_turns_it_off():
+    """The speed table's recipe rows are compiled: so are the configs a user runs, and `eager` really is."""
+    bench = train_speed()
+    for name in ("atma_370m.toml", "atma_370m_l4.toml"):
+        config = ["--config", str(ROOT / "train_configs" / name)]
+        assert load_config(config).training.compile
+        assert not load_config(config + bench.variant_args("eager")).training.compile
+        assert load_config(config + bench.variant_args("compile")).training.compile
+
+
 def test_the_reshard_switch_turns_on_what_one_rank_leaves_off():
     bench = train_speed()
     recipe = ["--config", str(ROOT / "train_configs" / "atma_370m.toml")]
