@@ -3,7 +3,9 @@
 Each rank writes a Chrome / Perfetto trace (`rank<R>_step<S>.json.gz`, open it in ui.perfetto.dev)
 and a table of the operators and kernels that took the most device time (`rank<R>_top.txt`), under
 <dump_folder>/<profiling.folder>. On a GPU it also writes where the device sat idle waiting for the
-host, and what the host was doing then (`rank<R>_gaps.txt`, atma_titan.trace_gaps). Steps are
+host, and what the host was doing then (`rank<R>_gaps.txt`), and the device's time summed by what
+launched it: each compiled graph, FSDP hook, optimizer step or eager operator (`rank<R>_launchers.txt`;
+both from atma_titan.trace_gaps). Steps are
 counted as the trainer counts them, so a resumed run records the same steps as a fresh one (or none,
 if it starts past the window).
 """
@@ -16,7 +18,7 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from atma_titan.trace_gaps import idle_report, read_spans
+from atma_titan.trace_gaps import idle_report, launcher_report, read_spans
 
 TOP_ROWS = 40
 
@@ -69,7 +71,9 @@ class StepProfiler:
         table = prof.key_averages().table(sort_by=sort_by, row_limit=TOP_ROWS)
         (self.folder / f"rank{self.rank}_top.txt").write_text(table + "\n")
         if self.cuda:
-            (self.folder / f"rank{self.rank}_gaps.txt").write_text(idle_report(read_spans(trace)))
+            spans = read_spans(trace)
+            (self.folder / f"rank{self.rank}_gaps.txt").write_text(idle_report(spans))
+            (self.folder / f"rank{self.rank}_launchers.txt").write_text(launcher_report(spans))
         if self.rank == 0:
-            also = " and rank0_gaps.txt" if self.cuda else ""
+            also = ", rank0_gaps.txt and rank0_launchers.txt" if self.cuda else ""
             self.say(f"profiling: wrote {trace}, {self.folder / 'rank0_top.txt'}{also}")

@@ -1,11 +1,12 @@
-"""atma_titan.trace_gaps: GPU idle gaps of a profiler trace, blamed on what the host was launching."""
+"""atma_titan.trace_gaps: GPU idle gaps of a profiler trace, blamed on what the host was launching, and the
+device's time by what launched it."""
 
 import gzip
 import json
 import subprocess
 import sys
 
-from atma_titan.trace_gaps import idle_report, read_spans
+from atma_titan.trace_gaps import idle_report, launcher_report, read_spans
 
 
 def span(name, cat, ts, dur, correlation=None):
@@ -53,12 +54,35 @@ def test_idle_time_is_blamed_on_the_host_work_that_launched_the_next_kernel(tmp_
 def test_a_trace_without_gpu_activity_says_so(tmp_path):
     path = write_trace(tmp_path / "cpu.json.gz", [span("aten::mm", "cpu_op", 0, 10)])
     assert idle_report(read_spans(path)) == "no GPU activity in this trace\n"
+    assert launcher_report(read_spans(path)) == "no GPU activity in this trace\n"
+
+
+def test_device_time_is_summed_by_what_launched_it(tmp_path):
+    """FSDP's hooks of every block add up under one name; work outside any annotation goes by its operator."""
+    events = [span("ProfilerStep#3", "user_annotation", 0, 5000)]
+    launchers = [("FSDP::post_backward_accumulate (blocks.0)", 0), ("FSDP::post_backward_accumulate (blocks.13)", 1000)]
+    launchers += [("## Call CompiledFxGraph abc ##", 2000)]
+    for correlation, (name, start) in enumerate(launchers):
+        events += [span(name, "user_annotation", start, 500), span("aten::add_", "cpu_op", start + 10, 100)]
+        events += [span("cudaLaunchKernel", "cuda_runtime", start + 20, 5, correlation=correlation)]
+        events += [
+            span("add_kernel" if correlation < 2 else "mm_kernel", "kernel", start + 30, 300, correlation=correlation)
+        ]
+    events += [span("aten::mul", "cpu_op", 3000, 100), span("cudaLaunchKernel", "cuda_runtime", 3010, 5, correlation=9)]
+    events += [span("mul_kernel", "kernel", 3020, 100, correlation=9), span("lost_kernel", "kernel", 4000, 100)]
+    report = launcher_report(read_spans(write_trace(tmp_path / "t.json.gz", events)))
+    assert "1.10 ms in all" in report
+    assert "0.60 ms   55%      2 kernels  FSDP::post_backward_accumulate (blocks.*)" in report
+    assert "0.30 ms   27%      1 kernels  ## Call CompiledFxGraph abc ##" in report
+    assert "0.10 ms    9%      1 kernels  - / aten::mul" in report
+    assert "1 kernels  (launch not in the trace)" in report
+    assert "0.60 ms      2x  add_kernel  <- FSDP::post_backward_accumulate (blocks.*)" in report
 
 
 def test_the_command_prints_the_report_and_refuses_a_missing_file(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "atma_titan.trace_gaps", str(step_trace(tmp_path))],
                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert ok.returncode == 0 and "largest gaps" in ok.stdout
+    assert ok.returncode == 0 and "largest gaps" in ok.stdout and "device time by what launched it" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "atma_titan.trace_gaps", str(tmp_path / "none.json")],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "usage" in bad.stderr and not bad.stdout
