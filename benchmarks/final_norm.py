@@ -1,24 +1,21 @@
 """The model's final RMSNorm, forward and backward, run eagerly against compiled (as apply_compile now runs it).
 
-    python benchmarks/final_norm.py [--tokens 32768] [--repeats 30] [--tag h200]
+    python benchmarks/final_norm.py [--tokens 32768] [--repeats 30]
 
 The norm sits between the last block and the head, outside both, so until it was compiled on its own it
 ran eagerly: an fp32 upcast, pow, mean, rsqrt, two multiplications and a cast forward, and autograd's
 backward of each. Here it runs on a micro-batch of the 370M's hidden states in bf16 with a bf16 weight
 (FSDP2 gathers parameters in bf16), forward plus the gradients of its input and weight from a fixed
 probe. Figures are medians of --repeats runs timed with CUDA events after a warm-up; the ratio is to the
-eager form in the same process. Results: benchmarks/results/final_norm-<tag>.json.
+eager form in the same process. Results: benchmarks/results/final_norm-<gpu>.json.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from atma_titan.models.layers import RMSNorm
-from one_pass_timing import median_ms, micro_batch_benchmark
+from one_pass_timing import median_ms, micro_batch_benchmark, write_result
 
 
 def main() -> None:
@@ -32,11 +29,8 @@ def main() -> None:
         base = base or ms
         rows.append({"form": name, "ms": ms, "speedup": base / ms})
         print(f"{name:9s} {ms:7.3f} ms  {base / ms:5.2f}x", flush=True)
-    out = Path(args.out) / f"final_norm-{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"tokens": args.tokens, "d_model": model_args.d_model, "repeats": args.repeats}
-    out.write_text(json.dumps({**meta, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, "final_norm", {**meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,26 +1,24 @@
 """A global block's projections of its input as one matrix product against one product per projection.
 
-    python benchmarks/global_projections.py [--tokens 32768] [--repeats 30] [--tag h200]
+    python benchmarks/global_projections.py [--tokens 32768] [--repeats 30]
 
 The projections are q with its output gate, k, v and the memory's gamma, beta and gate
 (`atma_titan.models.layers.fused_linear`; 370M widths: d 1,024 -> 2,048 + 256 + 256 + 8 + 8 + 1,024). Each
 form runs forward and backward (x's gradient and every weight's), in bf16 on a GPU, eager and compiled
 (the trainer compiles each block). Figures are medians of --repeats runs timed with CUDA events after a
 warm-up. The "one product" ratio is to the per-projection form in the same process.
-Results: benchmarks/results/global_projections-<tag>.json.
+Results: benchmarks/results/global_projections-<gpu>.json.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from atma_titan.models.attention import GlobalAttention
 from atma_titan.models.layers import fused_linear
-from one_pass_timing import median_ms, micro_batch_benchmark
+from one_pass_timing import median_ms, micro_batch_benchmark, write_result
 
 
 def apart(x, linears):
@@ -51,11 +49,8 @@ def main() -> None:
         for name, ms in timed.items():
             rows.append({"mode": mode, "form": name, "ms": ms, "speedup": base / ms})
             print(f"{mode:9s} {name:28s} {ms:7.3f} ms  {base / ms:5.2f}x", flush=True)
-    out = Path(args.out) / f"global_projections-{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"tokens": args.tokens, "repeats": args.repeats, "widths": [lin.out_features for lin in linears]}
-    out.write_text(json.dumps({**meta, "device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, "global_projections", {**meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -29,14 +29,13 @@ REPEATS = 20
 
 def micro_batch_benchmark(doc: str, script: str) -> tuple[argparse.Namespace, ModelArgs]:
     """The command line of a benchmark of one part of the model at a micro-batch (--config, --tokens,
-    --repeats, --tag, --out, its module doc as help) and the config's model hyper-parameters; exits
-    without a GPU."""
+    --repeats, --out, its module doc as help) and the config's model hyper-parameters; exits without a
+    GPU. The result goes through write_result."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/atma_370m.toml")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens per micro-batch (16 x 2,048)")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--tag", default="h200")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(f"{script} needs a CUDA GPU")

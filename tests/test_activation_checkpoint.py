@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from atma_titan.config import ActivationCheckpoint
 from atma_titan.models.builder import build_model
 from atma_titan.models.flavors import FLAVORS
 from distributed_utils import ROOT
@@ -33,6 +34,14 @@ def gradients(mode: str, save: str | None, blocks: str = "all") -> dict[str, tor
     tokens = torch.randint(0, DEBUG.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     model(tokens).logsumexp(-1).mean().backward()
     return {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+
+
+def test_the_config_allows_exactly_the_choices_the_mechanism_knows():
+    """[activation_checkpoint] lists its allowed values in config.py, which does not import the parallel code;
+    they must be the keys apply_activation_checkpointing looks up, or a valid config would fail at setup."""
+    fields = {f.name: f.metadata["choices"] for f in dataclasses.fields(ActivationCheckpoint)}
+    assert fields["blocks"] == tuple(parallelize.AC_BLOCKS)
+    assert fields["selective_save"] == parallelize.SELECTIVE_SAVES
 
 
 @pytest.fixture(scope="module")
