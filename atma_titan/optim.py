@@ -288,7 +288,9 @@ class Muon(torch.optim.Muon):
     kernels round differently. Plain tensors and a shard group of one rank are orthogonalised in place;
     other DTensor layouts are all-gathered on every rank as before. The element-wise passes are one launch
     each over all matrices (kernels/muon_update: Triton on a GPU, foreach ops elsewhere): a per-matrix loop
-    was launch-bound (~160 ms a step for the 370M model).
+    was launch-bound (~160 ms a step for the 370M model). They also take the clip's coefficient and the
+    NaN policy's skip flag as tensors on the device (step(grad_scale=..., skip=...)), so the trainer queues
+    a whole step before the host has read its loss, and the clip costs no pass of its own.
     """
 
     def __init__(self, *args, elementwise_impl: str = "auto", **kwargs):
@@ -335,36 +337,21 @@ class Muon(torch.optim.Muon):
         return out
 
     @torch.no_grad()
-    def step(self, closure=None, allowed: Callable[[], bool] | None = None):
-        """One step; with `allowed`, the step is staged first and committed only if allowed() (stage())."""
+    def step(self, closure=None, *, grad_scale: torch.Tensor | None = None, skip: torch.Tensor | None = None):
+        """One step, queued whole: `grad_scale` (a scalar on the device, the clip's coefficient) multiplies every
+        gradient as it is read, and `skip` (a scalar on the device, non-zero: leave parameters and momenta as
+        they are) is read by the kernels themselves, so the host need not know the step's loss first."""
         if closure is not None:
             raise ValueError("Muon here takes no closure")
-        commit = self.stage()
-        if allowed is None or allowed():
-            commit()
+        for group in self.param_groups:
+            self._step_group(group, grad_scale, skip)
         return None
 
-    @torch.no_grad()
-    def stage(self) -> Callable[[], None]:
-        """Queue the part of a step that changes no parameter and no state, and return the commit that does.
-
-        Staged: the new momentum (into new tensors, kept until the commit), the update, Newton-Schulz and the
-        exchanges between ranks. The commit writes the momentum and adds the updates to the parameters. The
-        trainer stages, then waits for the step's loss on the host (training.nan_policy may skip the update),
-        so the GPU has the Newton-Schulz products to run meanwhile; a skipped step drops the commit."""
-        commits = [self._stage_group(group) for group in self.param_groups]
-
-        def commit() -> None:
-            for write in commits:
-                write()
-
-        return commit
-
-    def _stage_group(self, group: dict) -> Callable[[], None]:
+    def _step_group(self, group: dict, grad_scale: torch.Tensor | None, skip: torch.Tensor | None) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
-            return lambda: None
+            return
         grads = [p.grad for p in params]
         for p in params:
             if "momentum_buffer" not in self.state[p]:
@@ -385,8 +372,8 @@ class Muon(torch.optim.Muon):
             outs[i] = slot
         for i in sharded:
             outs[i] = torch.empty_like(local_grads[i], dtype=torch.bfloat16)
-        # The new momentum goes over the gradients (zeroed after the step); the buffers wait for the commit.
-        stage_momentum_(local_grads, bufs, outs, momentum, group["nesterov"], impl=self.elementwise_impl)
+        stage_momentum_(local_grads, bufs, outs, momentum, group["nesterov"], grad_scale=grad_scale, skip=skip,
+                        impl=self.elementwise_impl)  # fmt: skip
         orthogonal: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for i, x in zip(whole, batches.orthogonalize(group["ns_steps"], group["eps"])):
             orthogonal[i] = x
@@ -400,15 +387,16 @@ class Muon(torch.optim.Muon):
                 orthogonal[i] = x
         # torch.optim.Muon's scale: by the matrix's aspect ratio.
         alphas = [-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) for p in params]
+        # In place on each parameter's own shard: the decay and the bf16 update added to the fp32 shard
+        # (promoted inside the add, as torch.optim.Muon's param.add_ does).
+        apply_updates_(local_tensors(params), orthogonal, 1 - lr * wd, alphas, skip=skip, impl=self.elementwise_impl)
 
-        @torch.no_grad()  # called after stage() has returned
-        def commit() -> None:
-            # In place on each parameter's own shard: the decay and the bf16 update added to the fp32 shard
-            # (promoted inside the add, as torch.optim.Muon's param.add_ does), the momentum into its buffer.
-            apply_updates_(local_tensors(params), bufs, local_grads, orthogonal, 1 - lr * wd, alphas,
-                           impl=self.elementwise_impl)  # fmt: skip
 
-        return commit
+def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply `grads` in place by `scale` (a scalar tensor), on their local shards in one foreach launch."""
+    local = local_tensors(grads)  # views: the DTensors change too
+    if local:
+        torch._foreach_mul_(local, scale.to(local[0].device))
 
 
 def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -428,44 +416,58 @@ def split_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     return groups
 
 
+def _decides_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` takes the step's skip flag on the device: Muon, or a fused optimizer (found_inf)."""
+    return isinstance(opt, Muon) or bool(opt.defaults.get("fused"))
+
+
+def _step(opt: torch.optim.Optimizer, grad_scale: torch.Tensor | None, skip: torch.Tensor | None = None) -> None:
+    """One optimizer's step; `skip` (Muon, or a fused AdamW through found_inf) decided on the device."""
+    if isinstance(opt, Muon):
+        opt.step(grad_scale=grad_scale, skip=skip)
+        return
+    opt.found_inf = skip  # read by a fused optimizer's kernel; None: it steps
+    try:
+        opt.step()
+    finally:
+        del opt.found_inf
+
+
 class Optimizers:
     """Several optimizers stepped, zeroed and checkpointed as one."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
 
-    def step(self, allowed: Callable[[], bool] = lambda: True, skip: torch.Tensor | None = None) -> bool:
+    def step(
+        self,
+        allowed: Callable[[], bool] = lambda: True,
+        skip: torch.Tensor | None = None,
+        grad_scale: torch.Tensor | None = None,
+    ) -> bool:
         """Step every optimizer if `allowed()`, which is asked once; returns its answer.
 
-        `allowed()` may wait for the GPU (the trainer reads the step's loss and gradient norm there: the
-        NaN policy). What does not depend on the answer is queued before it is asked, so the GPU has work
-        while the host waits: the whole of a fused AdamW when `skip` is given (a float scalar on the
-        parameters' device, 1.0 where the step must not update), whose kernel then leaves parameters and
-        state as they are on the device itself (found_inf, as under a GradScaler); and Muon's staged half
-        (Muon.stage: momentum and Newton-Schulz), which Muon.step commits after a yes. Every optimizer
-        goes through its step(), which LR schedulers track."""
-        answers: list[bool] = []
-
-        def ask() -> bool:
-            if not answers:
-                answers.append(bool(allowed()))
-            return answers[0]
-
-        on_device = [o for o in self.optimizers if skip is not None and o.defaults.get("fused")]
+        `grad_scale` (a scalar on the device: the clip's coefficient) multiplies every gradient first: Muon
+        reads it in its kernel as it reads the gradient, the other optimizers' gradients are scaled in one
+        foreach pass. `allowed()` may wait for the GPU (the trainer reads the step's loss and gradient norm
+        there: the NaN policy). With `skip` (a float scalar on the parameters' device, 1.0 where the step
+        must not update) the optimizers that can decide on the device are queued whole before it is asked,
+        so the GPU has their work while the host waits: Muon (its kernels read the flag) and a fused AdamW
+        (found_inf, as under a GradScaler); both then leave parameters and state as they are on a skip, and
+        `allowed()` must answer as the flag does. The others step after a yes. Every optimizer goes through
+        its step(), which LR schedulers track."""
+        if grad_scale is not None:  # Muon reads it in its kernel; the others' gradients are scaled here
+            groups = [g for opt in self.optimizers if not isinstance(opt, Muon) for g in opt.param_groups]
+            scale_grads_([p.grad for g in groups for p in g["params"] if p.grad is not None], grad_scale)
+        on_device = [o for o in self.optimizers if skip is not None and _decides_on_device(o)]
         for opt in on_device:
-            opt.found_inf = skip
-            try:
-                opt.step()
-            finally:
-                del opt.found_inf
-        for opt in self.optimizers:
-            if isinstance(opt, Muon):
-                opt.step(allowed=ask)
-        if ask():
+            _step(opt, grad_scale, skip)
+        go = bool(allowed())
+        if go:
             for opt in self.optimizers:
-                if not isinstance(opt, Muon) and opt not in on_device:
-                    opt.step()
-        return ask()
+                if opt not in on_device:
+                    _step(opt, grad_scale)
+        return go
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

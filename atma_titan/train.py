@@ -8,7 +8,8 @@ Reads top to bottom in four parts:
 - the start: what the run folder holds (a finished run, a checkpoint to resume, another run);
 - `setup`: run folder -> metric sinks -> data -> model (meta device, AC + compile + FSDP2,
   materialised, initial weights) -> optimizers -> resume -> loader, all held by one `Run`;
-- `train_step`: micro-batches forward/backward -> clip -> one all-reduce -> NaN policy -> optimizer step;
+- `train_step`: micro-batches forward/backward -> gradient norm -> one all-reduce -> optimizer step (the clip
+  and the NaN policy's skip applied on the device) -> the step's values read on the host;
 - `after_step`: validation -> metrics line -> checkpoint -> stop request; then `finish` (DONE, export,
   the summary).
 """
@@ -61,6 +62,7 @@ from atma_titan.parallel import (
     LaunchEnv,
     ParallelDims,
     all_reduce_sum,
+    clip_coefficient,
     clip_grads_,
     destroy_distributed,
     init_distributed,
@@ -167,9 +169,13 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weights: torch
     return (per_label * weights.flatten()).sum()
 
 
+def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all (possibly sharded) parameters; clip to `max_norm` when > 0."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = gradients(model)
     norm = total_norm(grads)
     if max_norm > 0:
         clip_grads_(grads, max_norm, norm)
@@ -568,10 +574,13 @@ def train_step(run: Run) -> StepStats:
         if aux is not None:
             aux_sum += aux.detach() / share
     run.faults.after_backward(step)
-    grad_norm = clip_gradients(run.model, run.cfg.training.max_norm)  # global already: not in the sum below
+    grad_norm = total_norm(gradients(run.model))  # global already: not in the sum below
+    # The clip: the optimizers multiply the gradients by this as they read them (no pass of its own for Muon's).
+    max_norm = run.cfg.training.max_norm
+    clip = clip_coefficient(grad_norm, max_norm) if max_norm > 0 else None
     # One small all-reduce a step (global loss, and whether any rank was asked to stop), and the step's one
-    # host sync: the NaN policy needs the values before the update. The optimizers queue what needs no answer
-    # (Newton-Schulz; a fused AdamW that skips on the device) before they ask, so the GPU works while we wait.
+    # host sync: the NaN policy needs the values. The update itself is decided on the device (skip): Muon and a
+    # fused AdamW are queued whole before the optimizers ask, so the GPU works through them while we wait.
     stop = torch.tensor(float(run.stop.requested), pin_memory=device.type == "cuda")  # pinned: copied without a sync
     flags = all_reduce_sum(torch.stack([loss_sum, aux_sum, stop.to(device, non_blocking=True)]), dims)
     totals = torch.cat([flags, grad_norm.reshape(1).to(flags)])  # loss, aux, stop votes, grad norm
@@ -583,7 +592,7 @@ def train_step(run: Run) -> StepStats:
         values.extend(read_totals())
         return update_allowed(run, step, loss=values[0], grad_norm=values[3])
 
-    run.optimizers.step(allowed, skip)
+    run.optimizers.step(allowed, skip, grad_scale=clip)
     loss_value, aux_value, stop_votes, grad_norm = values
     lr = run.optimizers.param_groups[0]["lr"]
     run.schedules.step()

@@ -212,9 +212,10 @@ def muon_update_cases(flavor: str) -> list[Case]:
         shapes = [tuple(p.shape) for p in split_parameters(ATMA(FLAVORS[flavor]))["matrix"]]
     fp32 = [_meta(*s, dtype=torch.float32) for s in shapes]
     bf16 = [_meta(*s) for s in shapes]
+    scalar = _meta(1, dtype=torch.float32)[0]  # the clip's coefficient, the step's skip flag: the trainer's variant
     with resources.recorded_launches(triton_muon, ["_stage_kernel", "_apply_kernel"]) as launches:
-        triton_muon.stage_momentum_(fp32, fp32, bf16, 0.95, True)
-        triton_muon.apply_updates_(fp32, fp32, fp32, bf16, 0.9998, [-0.02] * len(shapes))
+        triton_muon.stage_momentum_(fp32, fp32, bf16, 0.95, True, grad_scale=scalar, skip=scalar)
+        triton_muon.apply_updates_(fp32, bf16, 0.9998, [-0.02] * len(shapes), skip=scalar)
     note = f"{len(shapes)} matrices, {sum(s[0] * s[1] for s in shapes):,} elements"
     return [Case("muon." + launch.name.strip("_").removesuffix("_kernel"), _tuned_rows(launch), note)
             for launch in launches]  # fmt: skip

@@ -1,6 +1,9 @@
 """One Muon step over a model's block matrices: this Muon (Newton-Schulz batched per shape, its element-wise
 passes as two Triton kernels on a GPU, kernels/muon_update), the same with those passes as PyTorch foreach
-ops, and torch.optim.Muon (one matrix at a time), same parameters and gradients, one run.
+ops, and torch.optim.Muon (one matrix at a time), same parameters and gradients, one run. Two more rows
+take the step as the trainer does, with the clip: as a foreach pass over the gradients before a plain
+step, and as the trainer does since session 23, its coefficient (and the NaN policy's skip flag) read
+inside Muon's kernels.
 
     python benchmarks/optimizer_step.py [--flavor atma_370m] [--out benchmarks/results/]
 
@@ -44,8 +47,30 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(optimizer_cls, shapes, device, steps: int) -> dict[str, float]:
+def plain_step(device: torch.device):
+    return lambda opt: opt.step()
+
+
+def clip_then_step(device: torch.device):
+    """The clip as a pass of its own over the gradients, then a plain step (the trainer until session 23)."""
+    scale = torch.tensor(0.5, device=device)  # made once: a copy from the host would wait for the sleep below
+
+    def step(opt: Muon) -> None:
+        torch._foreach_mul_([p.grad for g in opt.param_groups for p in g["params"]], scale)
+        opt.step()
+
+    return step
+
+
+def trainer_step(device: torch.device):
+    """A step as the trainer takes it: the clip's coefficient and the NaN policy's skip flag read on the device."""
+    scale, skip = torch.tensor(0.5, device=device), torch.tensor(0.0, device=device)
+    return lambda opt: opt.step(grad_scale=scale, skip=skip)
+
+
+def time_steps(optimizer_cls, shapes, device, steps: int, make_step=plain_step) -> dict[str, float]:
     """Median ms of a synchronised step; on a GPU also of its device time and of the host's queueing."""
+    step = make_step(device)
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in shapes]
     for p in params:
@@ -55,7 +80,7 @@ def time_steps(optimizer_cls, shapes, device, steps: int) -> dict[str, float]:
     for _ in range(steps + 2):  # two warm-up steps (momentum buffers, cuBLAS handles)
         synchronize(device)
         start = time.perf_counter()
-        opt.step()
+        step(opt)
         synchronize(device)
         times.append(time.perf_counter() - start)
     result = {"step_ms": 1000 * statistics.median(times[2:])}
@@ -72,7 +97,7 @@ def time_steps(optimizer_cls, shapes, device, steps: int) -> dict[str, float]:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
             start = time.perf_counter()
-            opt.step()
+            step(opt)
             host_ms.append(1000 * (time.perf_counter() - start))
             end.record()
             torch.cuda.synchronize()
@@ -94,17 +119,19 @@ def main() -> None:
     print(f"{args.flavor}: {len(shapes)} block matrices, {len(set(shapes))} shapes, on {device}", flush=True)
     rows = []
     variants = (
-        ("torch.optim.Muon", torch.optim.Muon),
-        ("atma_titan Muon, foreach", functools.partial(Muon, elementwise_impl="reference")),
-        ("atma_titan Muon", Muon),
+        ("torch.optim.Muon", torch.optim.Muon, plain_step),
+        ("atma_titan Muon, foreach", functools.partial(Muon, elementwise_impl="reference"), plain_step),
+        ("atma_titan Muon", Muon, plain_step),
+        ("atma_titan Muon, clip pass + step", Muon, clip_then_step),
+        ("atma_titan Muon, clip + skip inside", Muon, trainer_step),
     )
-    for name, cls in variants:
-        row = {"optimizer": name, **time_steps(cls, shapes, device, args.steps)}
+    for name, cls, step in variants:
+        row = {"optimizer": name, **time_steps(cls, shapes, device, args.steps, step)}
         rows.append(row)
         on_device = "n/a: queued longer than the sleep" if row.get("gpu_ms") is None else f"{row['gpu_ms']:.2f} ms"
         split = f"  (GPU {on_device}, host {row['host_ms']:.2f} ms)" if "host_ms" in row else ""
         speedup = rows[0]["step_ms"] / row["step_ms"]
-        print(f"{name:<26} {row['step_ms']:9.2f} ms/step  {speedup:6.2f}x{split}", flush=True)
+        print(f"{name:<36} {row['step_ms']:9.2f} ms/step  {speedup:6.2f}x{split}", flush=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower() if device.type == "cuda" else "cpu"
     path = Path(args.out) / f"optimizer_step-{gpu}-{args.flavor}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,8 @@ SWITCHES = {
     "l4": ["--training.micro_batch_size", "8", "--debug.memory_cap_gib", "22"],
     # FSDP re-gathers every block in backward (the setting's default on several ranks; unset, one rank keeps them).
     "reshard": ["--parallelism.reshard_after_forward", "true"],
+    # AdamW for every parameter (a fused kernel), no Muon: the softmax transformer trained so.
+    "adamw": ["--optimizer.name", "adamw"],
 }
 
 

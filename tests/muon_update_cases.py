@@ -67,58 +67,83 @@ def untouched(buffers_before, buffers_after, inner):
         assert torch.equal(after[outside], before[outside])
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_stage_writes_the_momentum_over_the_gradient_and_the_update_into_its_view(nesterov):
-    gen = torch.Generator().manual_seed(int(nesterov))
+def device_scalar(value: float | None) -> torch.Tensor | None:
+    return None if value is None else torch.tensor(value)
+
+
+@pytest.mark.parametrize(
+    "nesterov, scale, skip",
+    [(True, None, None), (False, None, None), (True, 0.3, 0.0), (False, 0.3, None), (True, None, 0.0)],
+)
+def test_stage_writes_the_momentum_into_the_buffer_and_the_update_into_its_view(nesterov, scale, skip):
+    gen = torch.Generator().manual_seed(int(nesterov) + 2 * int(scale is not None))
     grads, grad_bufs = zip(*(fenced(s, gen) for s in SHAPES))
     bufs, buf_bufs = zip(*(fenced(s, gen) for s in SHAPES))
     outs, out_bufs = update_views(gen, fill_random=False)
-    g64, b64 = [g.double() for g in grads], [b.double() for b in bufs]
+    g64 = [g.double() * (1.0 if scale is None else torch.tensor(scale).double()) for g in grads]
+    b64 = [b.double() for b in bufs]
     snapshot = [t.clone() for t in [*grad_bufs, *buf_bufs, *out_bufs]]
 
-    stage_momentum_(list(grads), list(bufs), outs, 0.95, nesterov, impl="triton")
+    stage_momentum_(list(grads), list(bufs), outs, 0.95, nesterov, grad_scale=device_scalar(scale),
+                    skip=device_scalar(skip), impl="triton")  # fmt: skip
 
-    for g, b, out, g_was, b_was in zip(grads, bufs, outs, g64, b64):
+    for b, out, g_was, b_was in zip(bufs, outs, g64, b64):
         m = b_was + 0.05 * (g_was - b_was)
         u = g_was + 0.95 * (m - g_was) if nesterov else m
-        torch.testing.assert_close(g.double(), m, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(b.double(), m, rtol=1e-6, atol=1e-6)
         # One bf16 step: the interpreter's cast truncates where the GPU's rounds to nearest.
         torch.testing.assert_close(out.double(), u, rtol=2**-7, atol=1e-6)
-        assert torch.equal(b.double(), b_was)  # the buffer waits for the commit
-    untouched(snapshot, [*grad_bufs, *buf_bufs, *out_bufs], [*grads, *outs])
+    untouched(snapshot, [*grad_bufs, *buf_bufs, *out_bufs], [*bufs, *outs])  # the gradients are only read
 
     # The PyTorch reference gives the same values (it is what CPU training runs).
-    gen = torch.Generator().manual_seed(int(nesterov))
+    gen = torch.Generator().manual_seed(int(nesterov) + 2 * int(scale is not None))
     ref_grads, _ = zip(*(fenced(s, gen) for s in SHAPES))
     ref_bufs, _ = zip(*(fenced(s, gen) for s in SHAPES))
     ref_outs = [torch.empty(s, dtype=torch.bfloat16) for s in SHAPES]
-    stage_momentum_reference_(list(ref_grads), list(ref_bufs), ref_outs, 0.95, nesterov)
-    for g, r, out, ref_out in zip(grads, ref_grads, outs, ref_outs):
-        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+    stage_momentum_reference_(list(ref_grads), list(ref_bufs), ref_outs, 0.95, nesterov, device_scalar(scale),
+                              device_scalar(skip))  # fmt: skip
+    for b, r, out, ref_out in zip(bufs, ref_bufs, outs, ref_outs):
+        torch.testing.assert_close(b, r, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-7, atol=1e-6)
 
 
-def test_apply_copies_the_momentum_decays_and_adds_each_matrix_its_own_alpha():
+def test_a_skipped_stage_leaves_every_buffer_as_it_was_even_with_non_finite_gradients():
+    gen = torch.Generator().manual_seed(11)
+    grads, grad_bufs = zip(*(fenced(s, gen) for s in SHAPES))
+    grads[0][1, 2], grads[1][0, 0] = float("nan"), float("inf")
+    bufs, buf_bufs = zip(*(fenced(s, gen) for s in SHAPES))
+    before = [t.clone() for t in [*grad_bufs, *buf_bufs]]
+    nan, skip = torch.tensor(float("nan")), torch.tensor(1.0)
+    outs, _ = update_views(gen, fill_random=False)
+    stage_momentum_(list(grads), list(bufs), outs, 0.95, True, grad_scale=nan, skip=skip, impl="triton")
+    ref_outs = [torch.empty(s, dtype=torch.bfloat16) for s in SHAPES]
+    stage_momentum_reference_(list(grads), list(bufs), ref_outs, 0.95, True, nan, skip)
+    for was, now in zip(before, [*grad_bufs, *buf_bufs]):
+        torch.testing.assert_close(now, was, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("skip", [None, 0.0, 1.0])
+def test_apply_decays_and_adds_each_matrix_its_own_alpha_unless_skipped(skip):
     gen = torch.Generator().manual_seed(3)
     params, param_bufs = zip(*(fenced(s, gen) for s in SHAPES))
-    bufs, buf_bufs = zip(*(fenced(s, gen) for s in SHAPES))
-    momenta, momentum_bufs = zip(*(fenced(s, gen) for s in SHAPES))
     updates, update_bufs = update_views(gen, fill_random=True)
     alphas = [-0.02, -0.02 * 2.5, -0.03]
     p64 = [p.double() for p in params]
-    snapshot = [t.clone() for t in [*param_bufs, *buf_bufs, *momentum_bufs, *update_bufs]]
+    snapshot = [t.clone() for t in [*param_bufs, *update_bufs]]
 
-    apply_updates_(list(params), list(bufs), list(momenta), updates, 0.9998, alphas, impl="triton")
+    apply_updates_(list(params), updates, 0.9998, alphas, skip=device_scalar(skip), impl="triton")
 
-    for p, b, m, u, a, p_was in zip(params, bufs, momenta, updates, alphas, p64):
-        assert torch.equal(b, m)
-        torch.testing.assert_close(p.double(), p_was * 0.9998 + a * u.double(), rtol=1e-6, atol=1e-7)
-    untouched(snapshot, [*param_bufs, *buf_bufs, *momentum_bufs, *update_bufs], [*params, *bufs])
+    for p, u, a, p_was in zip(params, updates, alphas, p64):
+        expected = p_was if skip == 1.0 else p_was * 0.9998 + a * u.double()
+        torch.testing.assert_close(p.double(), expected, rtol=1e-6, atol=1e-7)
+    untouched(snapshot, [*param_bufs, *update_bufs], list(params))
 
     ref = [p_was.float() for p_was in p64]
-    apply_updates_reference_(ref, [torch.empty(s) for s in SHAPES], list(momenta), updates, 0.9998, alphas)
+    apply_updates_reference_(ref, updates, 0.9998, alphas, device_scalar(skip))
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    if skip == 1.0:
+        assert all(torch.equal(p, p_was.float()) for p, p_was in zip(params, p64))
 
 
 def test_muon_through_the_kernels_equals_muon_through_the_reference():

@@ -146,9 +146,9 @@ def test_nan_loss_aborts_with_last_checkpoint_intact(tmp_path):
 
 
 def test_a_skipped_step_leaves_the_weights_of_the_step_before(tmp_path):
-    """nan_policy = "skip" on two FSDP ranks: Muon stages the non-finite step (momentum, Newton-Schulz, the
-    owner exchanges) before the trainer reads its loss, then drops it; the weights after step 3 are those
-    after step 2, bit for bit."""
+    """nan_policy = "skip" on two FSDP ranks: Muon queues the whole non-finite step (momentum, Newton-Schulz, the
+    owner exchanges, the update) before the trainer reads its loss, its kernels skipping on the device; the
+    weights after step 3 are those after step 2, bit for bit."""
     from safetensors.torch import load_file
 
     common = [*TINY, "--checkpoint.enable", "true", "--checkpoint.export_safetensors", "true"]

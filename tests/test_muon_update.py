@@ -51,3 +51,30 @@ def test_muon_steps_through_the_kernels_on_the_gpu_as_through_the_reference():
         torch.testing.assert_close(p, q, rtol=0, atol=1e-4)
     for a, b in zip(runs[0][1], runs[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("skip", [0.0, 1.0])
+def test_the_reference_selects_on_the_device_where_the_host_cannot_read_the_flag(monkeypatch, skip):
+    """On a GPU the reference's passes select with the flag where it lies (no sync); on the CPU the host reads
+    it. Both give the same buffers and parameters: a skip leaves them as they were, NaN gradients included."""
+    from atma_titan.kernels.muon_update import reference
+
+    shapes = [(6, 4), (3, 9)]
+    results = []
+    for on_host in (True, False):
+        if not on_host:
+            monkeypatch.setattr(reference, "_skipped_on_host", lambda flag: None if flag is not None else False)
+        gen = torch.Generator().manual_seed(0)
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        grads[0][0, 0] = float("nan") if skip else 0.5
+        bufs = [torch.randn(s, generator=gen) for s in shapes]
+        params = [torch.randn(s, generator=gen) for s in shapes]
+        before = [t.clone() for t in bufs + params]
+        outs = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+        flag = torch.tensor(skip)
+        reference.stage_momentum_reference_(grads, bufs, outs, 0.95, True, torch.tensor(0.7), flag)
+        reference.apply_updates_reference_(params, outs, 0.999, [-0.02, -0.03], flag)
+        if skip:
+            assert all(torch.equal(a, b) for a, b in zip(before, bufs + params))
+        results.append(bufs + params)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

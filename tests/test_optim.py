@@ -213,36 +213,38 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_optimizers_queue_the_work_that_needs_no_answer_before_asking_and_a_no_changes_nothing(monkeypatch, device):
-    """The trainer asks (allowed) only after Newton-Schulz and a device-skipping fused AdamW are queued, so
-    the GPU works while the host reads the loss; a no leaves every parameter and state as it was, a yes
-    equals a plain step."""
+def test_optimizers_queue_the_whole_step_before_asking_and_a_skip_changes_nothing(monkeypatch, device):
+    """The trainer asks (allowed) only after Muon and a fused AdamW, both deciding on the device, are queued
+    whole, so the GPU works while the host reads the loss; a skip leaves every parameter and state as it
+    was (NaN gradients included), a go equals a plain step."""
     from atma_titan import optim
 
     events = []
-    real = optim.orthogonalize
-    monkeypatch.setattr(optim, "orthogonalize", lambda *a: events.append("newton-schulz") or real(*a))
+    real = optim.apply_updates_
+    monkeypatch.setattr(optim, "apply_updates_", lambda *a, **k: events.append("muon update") or real(*a, **k))
     ours, params = _muon_and_fused_adamw(device)
     ref, ref_params = _muon_and_fused_adamw(device)
     for step in range(4):
+        go = step != 2  # the third step is skipped (a non-finite loss under nan_policy = "skip")
         grads = [torch.randn_like(p) for p in params]
         for p, q, g in zip(params, ref_params, grads):
             p.grad, q.grad = g.clone(), g.clone()
+        if not go:
+            for p in params:
+                p.grad[0] = float("nan")
         before = _state(ours, params)
         adam_steps = [s["step"].item() for s in ours.optimizers[1].state.values()]
         events.clear()
-        go = step != 2  # the third step is skipped (a non-finite loss under nan_policy = "skip")
 
         def allowed():
-            adam_state = ours.optimizers[1].state
             events.append("asked")
             # AdamW has run already, deciding on the device: it moved only when the step goes ahead.
             moved = not torch.equal(params[3].detach(), before[3])
-            assert moved == go and len(adam_state) == 2
+            assert moved == go and len(ours.optimizers[1].state) == 2
             return go
 
         assert ours.step(allowed, skip=torch.tensor(0.0 if go else 1.0, device=device)) is go
-        assert events == ["newton-schulz", "asked"]  # one (small-matrix) batch, then the question
+        assert events == ["muon update", "asked"]
         if go:
             ref.step()
             for a, b in zip(_state(ours, params), _state(ref, ref_params)):
@@ -255,7 +257,33 @@ def test_optimizers_queue_the_work_that_needs_no_answer_before_asking_and_a_no_c
                 q.grad = None
 
 
-def test_optimizers_without_a_device_skip_step_adamw_only_after_a_yes():
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipping, and a coefficient of exactly 1
+def test_the_clip_folded_into_the_optimizers_equals_clipping_the_gradients_first(device, max_norm):
+    """Optimizers.step(grad_scale=c) (Muon reads c in its kernel, AdamW's gradients are scaled in one pass)
+    gives the parameters and states of clip_grads_ followed by a plain step: bit for bit on the CPU; on a
+    GPU the kernel may fuse the scale into the momentum's multiply-add, one fp32 rounding fewer, so the
+    momenta agree to fp32 rounding and the parameters to a bf16 rounding of a Newton-Schulz input."""
+    from atma_titan.parallel import clip_coefficient, clip_grads_, total_norm
+
+    ours, params = _muon_and_fused_adamw(device)
+    ref, ref_params = _muon_and_fused_adamw(device)
+    for _ in range(3):
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        norm = total_norm([p.grad for p in params])
+        clip_grads_([q.grad for q in ref_params], max_norm, norm)
+        ref.step()
+        assert ours.step(skip=torch.tensor(0.0, device=device), grad_scale=clip_coefficient(norm, max_norm))
+        for a, b in zip(_state(ours, params), _state(ref, ref_params)):
+            if device == "cpu":
+                assert torch.equal(a, b)
+            else:  # a wrong scale is off by the clip's factor of ~2; a rounding by far less
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_optimizers_without_a_device_skip_step_only_after_a_yes():
     ours, params = _muon_and_fused_adamw()
     for p in params:
         p.grad = torch.randn_like(p)
@@ -264,8 +292,7 @@ def test_optimizers_without_a_device_skip_step_adamw_only_after_a_yes():
     assert not ours.step(lambda: asked.append(len(ours.optimizers[1].state)) or False)
     assert asked == [0]  # AdamW had not stepped when asked; nor after the no
     assert not ours.optimizers[1].state and all(torch.equal(p, b) for p, b in zip(params, before))
-    # Muon's first stage made its momentum buffers; a no leaves them at zero (as if there were none).
-    assert all(not s["momentum_buffer"].any() for s in ours.optimizers[0].state.values())
+    assert not ours.optimizers[0].state  # nor Muon
 
 
 @pytest.mark.gpu
@@ -287,9 +314,9 @@ def test_copy_to_host_waits_for_its_copy_not_for_the_work_queued_after_it():
     torch.cuda.synchronize()
 
 
-def test_lr_schedules_see_every_optimizer_step_through_the_staged_path():
+def test_lr_schedules_see_every_optimizer_step_through_the_device_decided_path():
     """torch's LR scheduler warns when its step comes before the optimizer's step() (CI caught it once:
-    the staged Muon bypassed step())."""
+    a staged Muon bypassed step())."""
     import warnings
 
     from atma_titan.optim import LRSchedules

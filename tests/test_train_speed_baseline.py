@@ -62,6 +62,19 @@ def test_the_reshard_switch_turns_on_what_one_rank_leaves_off():
     assert load_config(recipe + bench.variant_args("reshard")).parallelism.reshard_after_forward is True
 
 
+def test_the_adamw_switch_trains_every_parameter_with_adamw_as_the_issues_softmax_baseline_did():
+    from atma_titan.models import build_model
+    from atma_titan.optim import build_optimizers
+
+    bench = train_speed()
+    cfg = load_config(["--config", str(ROOT / "train_configs" / "debug_model.toml"), *bench.variant_args("adamw")])
+    assert cfg.optimizer.name == "adamw"
+    model = build_model(resolve_model_args(cfg.model), torch.device("cpu"), seed=0)
+    (adam,) = build_optimizers(model, cfg.optimizer).optimizers
+    assert isinstance(adam, torch.optim.AdamW)
+    assert sum(len(g["params"]) for g in adam.param_groups) == len(list(model.parameters()))
+
+
 def test_a_smaller_batch_runs_more_steps_over_the_same_tokens(tmp_path, monkeypatch):
     """step32k (one micro-batch of the recipe's 16) runs 16 times the steps and leaves 16 times the warm-up
     out of its median; the other switches keep the config's batch and the steps asked for."""

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from atma_titan.optim import local_tensors
+from atma_titan.optim import local_tensors, scale_grads_
 
-__all__ = ["clip_grads_", "total_norm"]
+__all__ = ["clip_coefficient", "clip_grads_", "total_norm"]
 
 
 def _shard_dims(grads: list[torch.Tensor]) -> list[int] | None:
@@ -46,11 +46,13 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return squared.sqrt()
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What `torch.nn.utils.clip_grads_with_norm_` multiplies gradients by so that their total norm `norm`
+    is at most `max_norm` (1 when it already is), as a tensor beside `norm`: no host sync."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """Scale `grads` in place so that their total norm `norm` is at most `max_norm`, as
-    `torch.nn.utils.clip_grads_with_norm_` does (its coefficient), on the local shards in one foreach launch."""
-    if not grads:
-        return
-    local = local_tensors(grads)  # views: the DTensors change too
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(local[0].device)
-    torch._foreach_mul_(local, coef)
+    `torch.nn.utils.clip_grads_with_norm_` does, on the local shards in one foreach launch."""
+    scale_grads_(grads, clip_coefficient(norm, max_norm))

@@ -2,7 +2,7 @@
 (auto | triton | reference, kernels/backends.py): on a GPU each pass is one Triton launch over every
 matrix, where the PyTorch reference takes several foreach passes over the fp32 tensors.
 
-Each matrix is 2-D; `grads`, `bufs`, `params` (and `momenta`) are contiguous fp32 of one shape per matrix,
+Each matrix is 2-D; `grads`, `bufs` and `params` are contiguous fp32 of one shape per matrix,
 `outs` / `updates` any strided view of that shape (a slot of a Newton-Schulz batch, a transposed one
 included). Triton (triton_muon.py) is imported on the first kernel call.
 """
@@ -37,29 +37,31 @@ def stage_momentum_(
     momentum: float,
     nesterov: bool,
     *,
+    grad_scale: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
     impl: str = "auto",
     what: str = "impl",
 ) -> None:
-    """Write each matrix's new momentum over its gradient and its update into `outs` (reference.py)."""
+    """Write each matrix's new momentum into its buffer (unless `skip`) and its update into `outs`
+    (reference.py); `grad_scale` multiplies every gradient first, `skip` is read on the device."""
     kernels = _kernels(grads, impl, what)
     if kernels is None:
-        return stage_momentum_reference_(grads, bufs, outs, momentum, nesterov)
-    kernels.stage_momentum_(grads, bufs, outs, momentum, nesterov)
+        return stage_momentum_reference_(grads, bufs, outs, momentum, nesterov, grad_scale, skip)
+    kernels.stage_momentum_(grads, bufs, outs, momentum, nesterov, grad_scale, skip)
 
 
 def apply_updates_(
     params: list[torch.Tensor],
-    bufs: list[torch.Tensor],
-    momenta: list[torch.Tensor],
     updates: list[torch.Tensor],
     decay: float,
     alphas: list[float],
     *,
+    skip: torch.Tensor | None = None,
     impl: str = "auto",
     what: str = "impl",
 ) -> None:
-    """Copy each momentum into its buffer and add alpha * update to the decayed parameter (reference.py)."""
+    """Add alpha * update to each decayed parameter, unless `skip` (reference.py)."""
     kernels = _kernels(params, impl, what)
     if kernels is None:
-        return apply_updates_reference_(params, bufs, momenta, updates, decay, alphas)
-    kernels.apply_updates_(params, bufs, momenta, updates, decay, alphas)
+        return apply_updates_reference_(params, updates, decay, alphas, skip)
+    kernels.apply_updates_(params, updates, decay, alphas, skip)

@@ -6,14 +6,15 @@ elements of one matrix (a second table maps programs to (matrix, block)). The fp
 and written contiguously; the bf16 view is addressed by row and column, so it may be a padded or
 transposed slot of a Newton-Schulz batch.
 
-- `_stage_kernel`: reads gradient and buffer, writes the new momentum over the gradient and the update
-  in bf16 (14 bytes an element; the foreach reference moves 38).
-- `_apply_kernel`: reads the momentum, parameter and bf16 update, writes buffer and parameter (18 bytes;
-  the reference 26), with one alpha per matrix.
+- `_stage_kernel`: reads gradient and buffer (and the gradient scale), writes the new momentum into the
+  buffer and the update in bf16 (14 bytes an element; the foreach reference moves 38).
+- `_apply_kernel`: reads the parameter and the bf16 update, writes the parameter (10 bytes), with one
+  alpha per matrix.
 
-The lerps are written as torch.lerp computes them (weight < 0.5: a + w (b - a); else b - (b - a)(1 - w)).
-The kernels use no shared memory, so every GPU fits them (benchmarks/kernel_resources.py). Importing
-this module imports triton.
+Both read the step's skip flag from the device (when given) and then keep buffer and parameter as they
+were: they select, so a NaN gradient cannot leak into a skipped step. The lerps are written as torch.lerp
+computes them (weight < 0.5: a + w (b - a); else b - (b - a)(1 - w)). The kernels use no shared memory,
+so every GPU fits them (benchmarks/kernel_resources.py). Importing this module imports triton.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def _block(blocks_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _stage_kernel(table_ptr, blocks_ptr, one_minus_momentum, momentum, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+def _stage_kernel(
+    table_ptr, blocks_ptr, scale_ptr, skip_ptr, one_minus_momentum, momentum,
+    NESTEROV: tl.constexpr, SCALED: tl.constexpr, SKIPPABLE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     matrix, offs = _block(blocks_ptr, BLOCK)
     row = table_ptr + matrix * 7  # grad, buf, out pointers; numel, cols, out row and column strides
     grad = tl.load(row).to(tl.pointer_type(tl.float32))
@@ -47,32 +51,36 @@ def _stage_kernel(table_ptr, blocks_ptr, one_minus_momentum, momentum, NESTEROV:
     out_rs, out_cs = tl.load(row + 5), tl.load(row + 6)
     mask = offs < numel
     g = tl.load(grad + offs, mask=mask, other=0.0)
+    if SCALED:
+        g = g * tl.load(scale_ptr)
     b = tl.load(buf + offs, mask=mask, other=0.0)
     m = b + one_minus_momentum * (g - b)
     if NESTEROV:
         u = m - (m - g) * (1.0 - momentum)
     else:
         u = m
-    tl.store(grad + offs, m, mask=mask)
+    if SKIPPABLE:
+        m = tl.where(tl.load(skip_ptr) != 0, b, m)
+    tl.store(buf + offs, m, mask=mask)
     tl.store(out + (offs // cols) * out_rs + (offs % cols) * out_cs, u.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
-def _apply_kernel(table_ptr, alphas_ptr, blocks_ptr, decay, BLOCK: tl.constexpr):
+def _apply_kernel(table_ptr, alphas_ptr, blocks_ptr, skip_ptr, decay, SKIPPABLE: tl.constexpr, BLOCK: tl.constexpr):
     matrix, offs = _block(blocks_ptr, BLOCK)
-    row = table_ptr + matrix * 8  # param, buf, momentum, update pointers; numel, cols, update strides
+    row = table_ptr + matrix * 6  # param, update pointers; numel, cols, update strides
     param = tl.load(row).to(tl.pointer_type(tl.float32))
-    buf = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    momentum = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    update = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16))
-    numel, cols = tl.load(row + 4), tl.load(row + 5)
-    up_rs, up_cs = tl.load(row + 6), tl.load(row + 7)
+    update = tl.load(row + 1).to(tl.pointer_type(tl.bfloat16))
+    numel, cols = tl.load(row + 2), tl.load(row + 3)
+    up_rs, up_cs = tl.load(row + 4), tl.load(row + 5)
     alpha = tl.load(alphas_ptr + matrix)
     mask = offs < numel
-    tl.store(buf + offs, tl.load(momentum + offs, mask=mask), mask=mask)
     u = tl.load(update + (offs // cols) * up_rs + (offs % cols) * up_cs, mask=mask).to(tl.float32)
-    decayed = tl.load(param + offs, mask=mask) * decay
-    tl.store(param + offs, decayed + alpha * u, mask=mask)
+    p = tl.load(param + offs, mask=mask)
+    new = p * decay + alpha * u
+    if SKIPPABLE:
+        new = tl.where(tl.load(skip_ptr) != 0, p, new)
+    tl.store(param + offs, new, mask=mask)
 
 
 @functools.lru_cache(maxsize=16)
@@ -98,7 +106,20 @@ def _check(fp32: list[list[torch.Tensor]], views: list[torch.Tensor]) -> None:
         raise ValueError("Muon's kernel takes bf16 updates")
 
 
-def stage_momentum_(grads, bufs, outs, momentum: float, nesterov: bool) -> None:
+def _scalar(t: torch.Tensor | None, what: str, unused: torch.Tensor) -> torch.Tensor:
+    """`t`, checked to be one fp32 value on `unused`'s device, for a kernel to read; `unused` when not given
+    (any pointer: the kernel's constexpr switch leaves it unread)."""
+    if t is None:
+        return unused
+    if t.numel() != 1 or t.dtype != torch.float32 or t.device != unused.device:
+        raise ValueError(
+            f"Muon's kernel takes {what} as one fp32 value on {unused.device}, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}"
+        )
+    return t
+
+
+def stage_momentum_(grads, bufs, outs, momentum: float, nesterov: bool, grad_scale=None, skip=None) -> None:
     _check([grads, bufs], outs)
     device = grads[0].device
     rows = [
@@ -107,20 +128,18 @@ def stage_momentum_(grads, bufs, outs, momentum: float, nesterov: bool) -> None:
     ]
     blocks = _block_table(tuple(g.numel() for g in grads), BLOCK, device)
     _stage_kernel[(blocks.size(0),)](
-        _to_device(rows, torch.int64, device), blocks, 1 - momentum, momentum,
-        NESTEROV=nesterov, BLOCK=BLOCK, num_warps=WARPS,
+        _to_device(rows, torch.int64, device), blocks, _scalar(grad_scale, "the gradient scale", grads[0]),
+        _scalar(skip, "the skip flag", grads[0]), 1 - momentum, momentum,
+        NESTEROV=nesterov, SCALED=grad_scale is not None, SKIPPABLE=skip is not None, BLOCK=BLOCK, num_warps=WARPS,
     )  # fmt: skip
 
 
-def apply_updates_(params, bufs, momenta, updates, decay: float, alphas: list[float]) -> None:
-    _check([params, bufs, momenta], updates)
+def apply_updates_(params, updates, decay: float, alphas: list[float], skip=None) -> None:
+    _check([params], updates)
     device = params[0].device
-    rows = [
-        [p.data_ptr(), b.data_ptr(), m.data_ptr(), u.data_ptr(), p.numel(), p.size(1), *u.stride()]
-        for p, b, m, u in zip(params, bufs, momenta, updates)
-    ]
+    rows = [[p.data_ptr(), u.data_ptr(), p.numel(), p.size(1), *u.stride()] for p, u in zip(params, updates)]
     blocks = _block_table(tuple(p.numel() for p in params), BLOCK, device)
     _apply_kernel[(blocks.size(0),)](
-        _to_device(rows, torch.int64, device), _to_device([alphas], torch.float32, device)[0], blocks, decay,
-        BLOCK=BLOCK, num_warps=WARPS,
+        _to_device(rows, torch.int64, device), _to_device([alphas], torch.float32, device)[0], blocks,
+        _scalar(skip, "the skip flag", params[0]), decay, SKIPPABLE=skip is not None, BLOCK=BLOCK, num_warps=WARPS,
     )  # fmt: skip
