@@ -425,12 +425,14 @@ def _step(opt: torch.optim.Optimizer, grad_scale: torch.Tensor | None, skip: tor
     """One optimizer's step; `skip` (Muon, or a fused AdamW through found_inf) decided on the device."""
     if isinstance(opt, Muon):
         opt.step(grad_scale=grad_scale, skip=skip)
-        return
-    opt.found_inf = skip  # read by a fused optimizer's kernel; None: it steps
-    try:
+    elif skip is None:
         opt.step()
-    finally:
-        del opt.found_inf
+    else:
+        opt.found_inf = skip  # read by a fused optimizer's kernel, as under a GradScaler
+        try:
+            opt.step()
+        finally:
+            del opt.found_inf
 
 
 class Optimizers:

@@ -30,7 +30,7 @@ import torch
 
 from atma_titan.models import ATMA
 from atma_titan.models.flavors import FLAVORS
-from atma_titan.optim import Muon, split_parameters
+from atma_titan.optim import Muon, scale_grads_, split_parameters
 
 
 def block_matrices(flavor: str) -> list[torch.Size]:
@@ -56,7 +56,7 @@ def clip_then_step(device: torch.device):
     scale = torch.tensor(0.5, device=device)  # made once: a copy from the host would wait for the sleep below
 
     def step(opt: Muon) -> None:
-        torch._foreach_mul_([p.grad for g in opt.param_groups for p in g["params"]], scale)
+        scale_grads_([p.grad for g in opt.param_groups for p in g["params"]], scale)
         opt.step()
 
     return step
