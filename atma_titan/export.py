@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from atma_titan.errors import InputError
-from atma_titan.known_warnings import silence_known_warnings
+from atma_titan.utils.errors import InputError
+from atma_titan.utils.known_warnings import silence_known_warnings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def export(args: argparse.Namespace) -> str:
-    from atma_titan.eval.loading import load_eval_model, open_checkpoint
+    from atma_titan.checkpoint.open import load_eval_model, open_checkpoint
     from atma_titan.hf.export import export_hf
 
     opened = open_checkpoint(args.checkpoint, args.step, args.config)

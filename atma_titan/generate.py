@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from atma_titan.device import resolve_device
-from atma_titan.errors import InputError
-from atma_titan.eval.loading import load_eval_model, open_checkpoint
+from atma_titan.utils.device import resolve_device
+from atma_titan.utils.errors import InputError
+from atma_titan.checkpoint.open import load_eval_model, open_checkpoint
 from atma_titan.inference import Generator, Request, Sampling, cast_for_inference
-from atma_titan.known_warnings import silence_known_warnings
+from atma_titan.utils.known_warnings import silence_known_warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import torch
 
-from atma_titan.atomic import write_text_atomic
-from atma_titan.errors import InputError, import_optional
-from atma_titan.redact import redact_config, redact_text
-from atma_titan.run_folder import METRICS_NAME, read_metrics
+from atma_titan.utils.atomic import write_text_atomic
+from atma_titan.utils.errors import InputError, import_optional
+from atma_titan.utils.redact import redact_config, redact_text
+from atma_titan.run.folder import METRICS_NAME, read_metrics
 
 __all__ = [
     "PEAK_BF16_FLOPS",

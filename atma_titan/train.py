@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from atma_titan.checkpoint import (
+from atma_titan.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     Chosen,
@@ -39,13 +39,13 @@ from atma_titan.checkpoint import (
 )
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.data import TrainData
-from atma_titan.device import cap_device_memory, copy_to_host, resolve_device
-from atma_titan.errors import InputError, import_optional
-from atma_titan.faults import FaultInjector
-from atma_titan.folder_lock import lock_run_folder
-from atma_titan.gc_schedule import GCSchedule
+from atma_titan.utils.device import cap_device_memory, copy_to_host, resolve_device
+from atma_titan.utils.errors import InputError, import_optional
+from atma_titan.run.faults import FaultInjector
+from atma_titan.run.lock import lock_run_folder
+from atma_titan.run.gc_schedule import GCSchedule
 from atma_titan.hf.load import HF_CONFIG, load_hf_weights
-from atma_titan.known_warnings import silence_known_warnings
+from atma_titan.utils.known_warnings import silence_known_warnings
 from atma_titan.metrics import (
     MetricsLogger,
     Throughput,
@@ -70,10 +70,10 @@ from atma_titan.parallel import (
     set_micro_batch,
     total_norm,
 )
-from atma_titan.preemption import LauncherWatch, StopRequest
-from atma_titan.profiling import StepProfiler
-from atma_titan.run_folder import RunFolder, step_dir
-from atma_titan.validation import Validator
+from atma_titan.run.preemption import LauncherWatch, StopRequest
+from atma_titan.profiling.window import StepProfiler
+from atma_titan.run.folder import RunFolder, step_dir
+from atma_titan.eval.validation import Validator
 
 
 class NonFiniteLoss(RuntimeError):

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from atma_titan.config import load_config  # noqa: E402
 from atma_titan.data import build_source  # noqa: E402
-from atma_titan.errors import InputError  # noqa: E402
+from atma_titan.utils.errors import InputError  # noqa: E402
 from atma_titan.kernels.polar import polar_scalars  # noqa: E402
 from atma_titan.models import build_model, resolve_model_args  # noqa: E402
 from atma_titan.models import attention as attention_module  # noqa: E402

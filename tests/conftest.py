@@ -4,11 +4,18 @@ It runs on every core through pytest-xdist (pyproject's addopts: `-n auto`). Eac
 and every trainer or torchrun rank it starts, then uses one thread: the workers already fill the
 cores, and OpenMP threads that compete with another worker's processes run far slower than one
 thread each (the debug model's 2-thread training took 6x longer beside a second worker).
-`python -m pytest -n 0` runs in one process with torch's default threads."""
+`python -m pytest -n 0` runs in one process with torch's default threads.
+
+The folders mirror the package; the code the tests share lives in tests/support/, importable by its
+module name from any of them."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the subprocesses the tests start

@@ -17,7 +17,7 @@ import json
 
 from atma_titan.data.synthetic import SyntheticSource
 from atma_titan.data.tokenizer import Tokenizer, build_tokenizer
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 
 RANDOM_ACCESS = ("synthetic", "bin")
 

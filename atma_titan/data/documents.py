@@ -55,7 +55,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import xxhash
 
 from atma_titan.data.stream_plan import StreamPlan
-from atma_titan.errors import InputError, import_optional
+from atma_titan.utils.errors import InputError, import_optional
 
 __all__ = ["DataSourceError", "DocumentSource", "EmptyPartError", "HFDataset", "SplitSource", "TextFiles"]
 

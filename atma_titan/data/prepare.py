@@ -34,7 +34,7 @@ import numpy as np
 from atma_titan.data.documents import SPLIT_VERSION, DataSourceError, EmptyPartError, HFDataset, TextFiles
 from atma_titan.data.shards import write_shard
 from atma_titan.data.tokenizer import build_tokenizer, encode_batch
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 
 MANIFEST = "manifest.json"
 PLAN = "plan.json"

@@ -8,7 +8,7 @@
 HTTP 5xx / 408 / 429) is retried with exponential backoff, so a long run survives a server restart
 or a network blip; a permanent one (404, 401/403, a server without range requests) and a transient
 one that outlasts the retries become a `RemoteDataError` (an InputError: exit status 2) naming the
-URL and what to do. Messages are redacted (see atma_titan.redact): no credential is printed.
+URL and what to do. Messages are redacted (see atma_titan.utils.redact): no credential is printed.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Callable, TypeVar
 
 import fsspec
 
-from atma_titan.errors import InputError, MissingExtraError, import_optional
-from atma_titan.redact import redact_text
+from atma_titan.utils.errors import InputError, MissingExtraError, import_optional
+from atma_titan.utils.redact import redact_text
 
 __all__ = ["RemoteDataError", "check_range_support", "is_http", "retrying", "url_to_fs"]
 

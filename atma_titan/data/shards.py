@@ -49,8 +49,8 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from atma_titan.data.remote import check_range_support, http_status, is_http, is_transient, retrying, url_to_fs
-from atma_titan.errors import InputError
-from atma_titan.redact import redact_text, redact_url
+from atma_titan.utils.errors import InputError
+from atma_titan.utils.redact import redact_text, redact_url
 
 __all__ = ["BinShards", "ShardError", "ShardHeader", "read_header", "write_shard"]
 

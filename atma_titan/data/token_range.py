@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from atma_titan.atomic import write_json_atomic
+from atma_titan.utils.atomic import write_json_atomic
 from atma_titan.data.shards import BinShards, ShardError
-from atma_titan.redact import redact_url
+from atma_titan.utils.redact import redact_url
 
 __all__ = ["CACHE_MIN_LOCAL_TOKENS", "RangeCheck", "cache_dir", "check_token_ids"]
 

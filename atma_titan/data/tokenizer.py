@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
-from atma_titan.errors import InputError, import_optional
+from atma_titan.utils.errors import InputError, import_optional
 
 __all__ = [
     "Tokenizer",

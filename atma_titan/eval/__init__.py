@@ -10,25 +10,26 @@ with `--generate`) and the length curve.
 * `length`: mean NLL per token on nested prefixes of the same long documents, one forward pass
   per document at the longest length, the head applied in chunks;
 * `corpus`: the passkey filler and long documents from the run's data (text, HF, .bin, synthetic);
-* `loading`: checkpoint path -> weights + run config (+ tokenizer) -> model on one device;
 * `report`: results.json / results.md (percent tables) and the plots (torch-free);
 * `compare`: several results.json side by side, one table and one figure (`python -m
   atma_titan.eval.compare`; torch-free);
 * `plots`: the needle and length-curve figures, one model or a sweep's many (torch-free);
-* `common`: the bad-input error and size parsing (torch-free); `inference`: the eval-mode context.
+* `common`: the bad-input error and size parsing (torch-free);
+* `validation`: the validation loss and quick needle the trainer logs every `eval.interval` steps.
+
+A checkpoint is opened by atma_titan.checkpoint.open; the eval-mode context is atma_titan.inference.context.
 
 The names below import lazily, on first use: `import atma_titan.eval.report` loads no torch.
 """
 
 from __future__ import annotations
 
-from atma_titan.lazy_exports import lazy_exports
+from atma_titan.utils.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "common": ["EvalInputError", "parse_sizes", "size_label"],
     "corpus": ["FILLER", "DocumentHaystack", "FillerHaystack", "LongDocuments", "corpus_from_config"],
     "length": ["LengthCurve", "length_curve", "length_sequences", "nested_prefix_nll", "token_losses"],
-    "loading": ["load_eval_model", "load_run_config", "open_checkpoint", "resolve_checkpoint"],
     "needle": [
         "DigitTokens",
         "NeedleResult",

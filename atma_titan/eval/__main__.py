@@ -36,16 +36,16 @@ from pathlib import Path
 import torch
 
 from atma_titan.data.synthetic import SyntheticSource
-from atma_titan.device import resolve_device
-from atma_titan.errors import InputError
+from atma_titan.utils.device import resolve_device
+from atma_titan.utils.errors import InputError
 from atma_titan.eval.common import EvalInputError, parse_sizes, size_label
 from atma_titan.eval.corpus import DocumentHaystack, FillerHaystack, LongDocuments, corpus_from_config
 from atma_titan.eval.length import length_curve, length_sequences
-from atma_titan.eval.loading import ResolvedCheckpoint, load_eval_model, open_checkpoint
+from atma_titan.checkpoint.open import ResolvedCheckpoint, load_eval_model, open_checkpoint
 from atma_titan.eval.needle import NEEDLE_SLACK, digit_tokens, run_needle
 from atma_titan.eval.records import run_records
 from atma_titan.eval.report import RESULT_UNITS, write_results
-from atma_titan.known_warnings import silence_known_warnings
+from atma_titan.utils.known_warnings import silence_known_warnings
 from atma_titan.models import ModelArgs
 
 DEFAULT_GAPS = "2K,4K,8K,16K,32K,64K"

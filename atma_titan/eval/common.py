@@ -5,7 +5,7 @@ Torch-free, so the sweep's collector and the report plots import it without load
 
 from __future__ import annotations
 
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 
 __all__ = ["EvalInputError", "parse_sizes", "size_label"]
 

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from atma_titan.atomic import write_text_atomic
+from atma_titan.utils.atomic import write_text_atomic
 from atma_titan.eval.common import EvalInputError, size_label
 from atma_titan.eval.plots import conditions, depth_label
 from atma_titan.eval.report import (

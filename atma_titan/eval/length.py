@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atma_titan.eval.common import EvalInputError, size_label
-from atma_titan.eval.inference import evaluating
+from atma_titan.inference.context import evaluating
 
 __all__ = ["DEFAULT_LENGTHS", "LengthCurve", "length_curve", "length_sequences", "nested_prefix_nll", "token_losses"]
 

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atma_titan.eval.common import EvalInputError, size_label
-from atma_titan.eval.inference import evaluating, pad_right
+from atma_titan.inference.context import evaluating, pad_right
 from atma_titan.eval.corpus import FillerHaystack
 
 __all__ = [

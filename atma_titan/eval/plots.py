@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from atma_titan.errors import import_optional
+from atma_titan.utils.errors import import_optional
 from atma_titan.eval.common import size_label
 
 __all__ = [

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from atma_titan.atomic import write_json_atomic
+from atma_titan.utils.atomic import write_json_atomic
 from atma_titan.eval.common import size_label
 from atma_titan.eval.plots import GENERATED, TEACHER_FORCED, conditions, depth_label, plot_length_curves, plot_needle
 

@@ -9,7 +9,7 @@ import torch
 from atma_titan.config import JobConfig
 from atma_titan.data.tokenizer import HFTokenizer
 from atma_titan.models import ModelArgs
-from atma_titan.run_folder import METRICS_NAME, read_metrics
+from atma_titan.run.folder import METRICS_NAME, read_metrics
 
 __all__ = ["model_card", "training_summary"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from atma_titan.errors import import_optional
+from atma_titan.utils.errors import import_optional
 from atma_titan.models import ModelArgs
 
 __all__ = ["MODEL_TYPE", "atma_config_class"]  # and AtmaConfig, made on first use

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from atma_titan.config import JobConfig
 from atma_titan.data.tokenizer import HFTokenizer, build_tokenizer
-from atma_titan.errors import import_optional
+from atma_titan.utils.errors import import_optional
 from atma_titan.hf.card import model_card
 from atma_titan.hf.load import PREFIX, RUN_CONFIG
 from atma_titan.models import ModelArgs

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 from atma_titan.models import ModelArgs
 
 __all__ = [

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from atma_titan.errors import import_optional
+from atma_titan.utils.errors import import_optional
 from atma_titan.hf.configuration import atma_config_class
 from atma_titan.inference.cache import ModelCache
 from atma_titan.kernels.paged import gather_pages, write_pages

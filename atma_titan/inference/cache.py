@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 from atma_titan.kernels.paged import gather_pages, write_pages
 from atma_titan.models import ModelArgs
 

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 from atma_titan.inference.cache import SCRATCH, ModelCache, SequenceAllocation
 from atma_titan.inference.sampling import Sampling, sample
 from atma_titan.models import ATMA

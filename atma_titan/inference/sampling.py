@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 
 __all__ = ["Sampling", "allowed_tokens", "sample"]
 

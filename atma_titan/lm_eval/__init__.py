@@ -13,7 +13,7 @@ when an adapter is made or the command runs, so these modules import without it.
 
 from __future__ import annotations
 
-from atma_titan.lazy_exports import lazy_exports
+from atma_titan.utils.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "adapter": ["MODEL_NAME", "adapter_class", "register"],

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from atma_titan.errors import InputError, import_optional
-from atma_titan.known_warnings import silence_known_warnings
+from atma_titan.utils.errors import InputError, import_optional
+from atma_titan.utils.known_warnings import silence_known_warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,7 +137,7 @@ def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import setup_logging
 
-    from atma_titan.eval.loading import open_checkpoint
+    from atma_titan.checkpoint.open import open_checkpoint
     from atma_titan.lm_eval.adapter import register
     from atma_titan.lm_eval.scorer import AtmaScorer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from atma_titan.errors import InputError, import_optional
+from atma_titan.utils.errors import InputError, import_optional
 
 __all__ = ["MODEL_NAME", "adapter_class", "register"]
 
@@ -68,7 +68,7 @@ def adapter_class() -> type:
             if scorer is None:
                 if not checkpoint:
                     raise InputError("the atma_titan model needs model_args checkpoint=PATH")
-                from atma_titan.known_warnings import silence_known_warnings
+                from atma_titan.utils.known_warnings import silence_known_warnings
                 from atma_titan.lm_eval.scorer import AtmaScorer
 
                 silence_known_warnings()  # DCP's warning about loading without torch.distributed

@@ -2,7 +2,7 @@
 
 * `loglikelihood`: the summed log-probability of a continuation given its context, and whether
   greedy decoding would have written it; batched, right-padded (safe for a causal model, see
-  atma_titan.eval.inference.pad_right), the LM head applied only at the continuation's positions.
+  atma_titan.inference.context.pad_right), the LM head applied only at the continuation's positions.
 * `loglikelihood_rolling`: the log-probability of a whole text, in windows of `max_length` tokens
   (the harness's rolling windows). A text of at most `max_length` tokens is one window,
   `[EOT] + text`: exactly the sequence the eval command's length curve scores (minus its NLL sum).
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from atma_titan.errors import InputError
-from atma_titan.eval.inference import evaluating, pad_right
+from atma_titan.utils.errors import InputError
+from atma_titan.inference.context import evaluating, pad_right
 from atma_titan.inference import Generator, Request, Sampling, cast_for_inference
 
 __all__ = ["DEFAULT_MAX_GEN_TOKS", "AtmaScorer", "GenerationSettings", "generation_settings"]
@@ -103,8 +103,8 @@ class AtmaScorer:
         seed: int = 0,
         progress: bool = True,
     ) -> "AtmaScorer":
-        """Any checkpoint the eval command takes (atma_titan.eval.loading), on one device."""
-        from atma_titan.eval.loading import open_checkpoint
+        """Any checkpoint the eval command takes (atma_titan.checkpoint.open), on one device."""
+        from atma_titan.checkpoint.open import open_checkpoint
 
         opened = open_checkpoint(path, step, config)  # bad paths and steps raise before a model is built
         return cls.from_opened(
@@ -122,9 +122,9 @@ class AtmaScorer:
         seed: int = 0,
         progress: bool = True,
     ) -> "AtmaScorer":
-        """Load the weights of an `atma_titan.eval.loading.OpenCheckpoint` onto `device`."""
-        from atma_titan.device import resolve_device
-        from atma_titan.eval.loading import load_eval_model
+        """Load the weights of an `atma_titan.checkpoint.open.OpenCheckpoint` onto `device`."""
+        from atma_titan.utils.device import resolve_device
+        from atma_titan.checkpoint.open import load_eval_model
 
         dev = resolve_device(device or "auto", what="--device")
         model = load_eval_model(opened.model_args, opened.resolved, dev)

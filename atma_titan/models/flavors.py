@@ -10,7 +10,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from atma_titan.errors import ConfigError
+from atma_titan.utils.errors import ConfigError
 
 
 def arg(doc: str, default=dataclasses.MISSING, choices: tuple | None = None, config_type: type | None = None):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 
 
 @dataclass(frozen=True)

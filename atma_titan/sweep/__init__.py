@@ -13,7 +13,7 @@
 
 The cells are the Cartesian product of the `--factor section.key=v1,v2,...` values (the first factor
 varies slowest), each named from its values (`attention-polar_memory-true`) with its own folder
-`<out>/cells/<name>/`: `run/` (the trainer's dump folder, laid out as atma_titan.run_folder says),
+`<out>/cells/<name>/`: `run/` (the trainer's dump folder, laid out as atma_titan.run.folder says),
 `eval/` (the eval command's output), `train.log`, `eval.log`, and `FAILED` after a failure. With
 `--seeds 0,1,2` every cell is three runs differing only in `job.seed`, each with its own folder
 `<cell>_seed-<S>` (the seed varies fastest; `--cell N` and the SLURM array index the runs), and

@@ -1,7 +1,7 @@
 """One cell's folder and its status, read from the files the trainer and the eval command leave.
 
     <out>/cells/<name>/
-      run/        the trainer's dump folder (its layout: atma_titan.run_folder)
+      run/        the trainer's dump folder (its layout: atma_titan.run.folder)
       eval/       the eval command's --out: results.json, results.md, PNGs
       train.log   eval.log   FAILED
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atma_titan.eval.report import RESULTS_JSON
-from atma_titan.run_folder import RunFolder
+from atma_titan.run.folder import RunFolder
 from atma_titan.sweep.plan import Cell
 
 CELLS_FOLDER = "cells"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from atma_titan.errors import InputError
+from atma_titan.utils.errors import InputError
 from atma_titan.sweep.budget import budget_report, estimate, plan_cells, read_throughput
 from atma_titan.sweep.collect import collect, list_cells
 from atma_titan.sweep.local import run_sweep

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from atma_titan.atomic import write_text_atomic
-from atma_titan.errors import MissingExtraError
+from atma_titan.utils.atomic import write_text_atomic
+from atma_titan.utils.errors import MissingExtraError
 from atma_titan.eval import report
 from atma_titan.sweep.cells import CellFolder
 from atma_titan.sweep.measures import (

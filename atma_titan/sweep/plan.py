@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from atma_titan.errors import InputError
-from atma_titan.atomic import write_json_atomic
+from atma_titan.utils.errors import InputError
+from atma_titan.utils.atomic import write_json_atomic
 
 PLAN_FILE = "sweep.json"
 PLAN_VERSION = 3  # 2: absolute base, and the workdir the cells' commands run in; 3: seeds

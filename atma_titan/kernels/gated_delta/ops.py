@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from atma_titan.errors import import_optional
+from atma_titan.utils.errors import import_optional
 from atma_titan.kernels import backends
 from atma_titan.kernels.gated_delta.reference import (
     _check_shapes,

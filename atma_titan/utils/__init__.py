@@ -1,0 +1,3 @@
+"""Small helpers every part uses: the bad-input error and optional imports (errors), whole-file writes
+(atomic), the device policy (device), credentials out of URLs (redact), lazily imported package names
+(lazy_exports) and the warnings every command silences (known_warnings)."""

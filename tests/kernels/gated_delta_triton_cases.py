@@ -1,0 +1,361 @@
+"""Gated delta Triton kernels under the Triton interpreter (CPU), against float64 references.
+
+Not collected by the suite on its own (the name does not start with test_): test_gated_delta_triton.py
+runs this file in a subprocess with TRITON_INTERPRET=1, which has to be set before triton is
+imported. Run it alone with
+    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/gated_delta_triton_cases.py
+Shapes are tiny (the interpreter runs every program in Python); Dv = 32 with the interpreter's
+Dv block of 16 covers several Dv blocks, T = 70 and 130 cover ragged tail chunks.
+
+Every kernel launched here runs under a bounds check (the interpreter itself reads and writes host
+memory unchecked): each masked-in address of every tl.load / tl.store must lie inside one of the
+launch's tensor arguments. The GPU's own block sizes (BV from triton_chunked.GPU_BLOCK_VALUES, BK and
+the prepare kernel's Dv block padded to triton_chunked.MIN_DOT_BLOCK = 64) are run too, at Dk != Dv,
+Dv < BV and BV not dividing Dv, which the interpreter's default first config (BV = 16) never reaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    F64,
+    NAMES,
+    assert_relative_close,
+    cast,
+    compare_to_float64,
+    exact_step,
+    random_inputs,
+    random_step,
+)
+
+from atma_titan.kernels.gated_delta import gated_delta_chunked_triton, gated_delta_step_
+from atma_titan.kernels.gated_delta.reference import gated_delta_step_inplace
+
+interpreter_only = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 set before triton is imported"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds check for the interpreter
+
+
+@contextlib.contextmanager
+def interpreter_bounds_check():
+    """Fail any interpreted tl.load / tl.store whose masked-in addresses leave the launch's tensor arguments."""
+    import triton.runtime.interpreter as interpreter
+
+    extents = []
+    builder = interpreter.interpreter_builder
+    init_args, load, store = (
+        interpreter.GridExecutor._init_args_hst,
+        builder.create_masked_load,
+        builder.create_masked_store,
+    )
+
+    def record_extents(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        extents.clear()
+        for arg in [*args_hst, *kwargs_hst.values()]:
+            arg = getattr(arg, "base", arg)  # TensorWrapper
+            if isinstance(arg, torch.Tensor):
+                assert arg.is_contiguous(), "the bounds check assumes contiguous tensor arguments"
+                extents.append((arg.data_ptr(), arg.data_ptr() + arg.numel() * arg.element_size()))
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what):
+        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape).astype(bool)]
+        if addresses.size == 0:
+            return
+        itemsize = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for start, end in extents:
+            inside |= (addresses >= start) & (addresses + itemsize <= end)
+        if not inside.all():
+            raise AssertionError(
+                f"out-of-bounds {what} of {int((~inside).sum())} elements in program {builder.grid_idx}"
+            )
+
+    def checked_load(ptrs, mask, other, *args):
+        check(ptrs, mask, "tl.load")
+        return load(ptrs, mask, other, *args)
+
+    def checked_store(ptrs, value, mask, *args):
+        check(ptrs, mask, "tl.store")
+        return store(ptrs, value, mask, *args)
+
+    interpreter.GridExecutor._init_args_hst = record_extents
+    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store
+    try:
+        yield
+    finally:
+        interpreter.GridExecutor._init_args_hst = init_args
+        builder.create_masked_load, builder.create_masked_store = load, store
+
+
+@pytest.fixture(autouse=True)
+def _bounds_checked():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    with interpreter_bounds_check():
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunked kernels: outputs, final state and every gradient against the float64 recurrence
+
+CHUNKED_CASES = [
+    # (seq_len, key_dim, value_dim, dtype, with_initial_state)
+    (70, 16, 32, torch.float32, True),  # ragged tail, two Dv blocks
+    (70, 16, 32, torch.float32, False),
+    (64, 24, 16, torch.float32, True),  # exact chunk, Dk not a power of two
+    (1, 16, 16, torch.float32, False),  # one token
+    (130, 16, 16, torch.float16, True),  # three chunks in half precision
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("seq_len,key_dim,value_dim,dtype,with_initial_state", CHUNKED_CASES)
+def test_chunked_kernel_matches_float64_recurrence(seq_len, key_dim, value_dim, dtype, with_initial_state):
+    inputs = random_inputs(1, seq_len, 2, key_dim, value_dim, with_initial_state=with_initial_state, seed=seq_len)
+    tol = 2e-5 if dtype == torch.float32 else 4e-3
+    compare_to_float64(gated_delta_chunked_triton, inputs, dtype, tol)
+
+
+@interpreter_only
+def test_chunked_kernel_without_normalisation():
+    inputs = random_inputs(1, 70, 2, 16, 16, seed=4)
+    inputs["q"] = 0.3 * inputs["q"]
+    inputs["k"] = F.normalize(inputs["k"], dim=-1) * 0.9  # keeps I - beta k k^T a contraction
+    compare_to_float64(gated_delta_chunked_triton, inputs, torch.float32, 2e-5, normalize_qk=False)
+    # the flag reaches the kernels: normalising would change the result
+    args = {name: inputs[name].float() for name in NAMES}
+    r_plain, _ = gated_delta_chunked_triton(**args, normalize_qk=False)
+    r_normalised, _ = gated_delta_chunked_triton(**args, normalize_qk=True)
+    assert (r_plain - r_normalised).abs().max() > 1e-2
+
+
+@interpreter_only
+def test_chunked_kernel_extreme_gates_stay_finite():
+    """gamma down to e^-30 (decays underflow inside a chunk), beta near 0 and 1, tiny keys (norm < eps)."""
+    inputs = random_inputs(1, 70, 2, 16, 16, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    inputs["log_gamma"] = -30.0 * torch.rand(1, 70, 2, generator=gen, dtype=F64) ** 4
+    inputs["beta"] = torch.where(torch.rand(1, 70, 2, generator=gen) < 0.5, 1e-4, 1 - 1e-4).to(F64)
+    inputs["k"][0, 3] = 1e-8  # below the normalisation's eps
+    compare_to_float64(gated_delta_chunked_triton, inputs, torch.float32, 1e-4)
+
+
+@interpreter_only
+def test_chunked_kernel_on_empty_sequence_returns_initial_state():
+    inputs = cast(random_inputs(1, 0, 2, 16, 16), torch.float32)
+    r, state = gated_delta_chunked_triton(**inputs)
+    assert r.shape == (1, 0, 2, 16)
+    torch.testing.assert_close(state, inputs["initial_state"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU's block sizes under the interpreter
+
+
+def _gpu_block_choices():
+    """One (sequential, parallel, grad) BV triple per position of the longest GPU list."""
+    from atma_titan.kernels.gated_delta.triton_chunked import GPU_BLOCK_VALUES as bvs
+
+    longest = max(len(v) for v in bvs.values())
+    return [
+        tuple(bvs[kind][min(i, len(bvs[kind]) - 1)] for kind in ("sequential", "parallel", "grad"))
+        for i in range(longest)
+    ]
+
+
+def _chunked_module():
+    from atma_titan.kernels.gated_delta import triton_chunked
+
+    return triton_chunked
+
+
+@interpreter_only
+def test_bounds_check_catches_an_out_of_bounds_access():
+    """The check above is live: a load one element past a tensor fails, the same load masked passes."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(x_ptr, y_ptr, N: tl.constexpr, B: tl.constexpr):
+        i = tl.arange(0, B)
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < N), mask=i < 8)
+
+    x, y = torch.arange(8.0), torch.empty(8)
+    copy[(1,)](x, y, N=8, B=16)
+    assert torch.equal(x, y)
+    with pytest.raises(Exception, match="out-of-bounds tl.load"):
+        copy[(1,)](x, y, N=9, B=16)
+
+
+GPU_BLOCK_CASES = [
+    # (seq_len, key_dim, value_dim, dtype, with_initial_state)
+    (70, 24, 80, torch.float32, True),  # Dk < BK = 64; Dv = 80: BV 64 leaves a partial block, BV 128 > Dv
+    (130, 64, 32, torch.float32, False),  # Dk != Dv, Dv < every BV, three chunks
+    (64, 16, 16, torch.float16, True),  # half precision, both dims far below the blocks
+]
+
+
+@interpreter_only
+@pytest.mark.parametrize("blocks", _gpu_block_choices() if os.environ.get("TRITON_INTERPRET") == "1" else [None])
+@pytest.mark.parametrize("seq_len,key_dim,value_dim,dtype,with_initial_state", GPU_BLOCK_CASES)
+def test_chunked_kernel_with_gpu_blocks(monkeypatch, blocks, seq_len, key_dim, value_dim, dtype, with_initial_state):
+    import triton
+
+    chunked = _chunked_module()
+    monkeypatch.setattr(chunked, "MIN_DOT_BLOCK", 64)
+    bv_sequential, bv_parallel, bv_grad = blocks
+    for kernel, bv in (
+        (chunked._state_fwd_kernel, bv_sequential),
+        (chunked._state_bwd_kernel, bv_sequential),
+        (chunked._output_kernel, bv_parallel),
+        (chunked._dv_local_kernel, bv_parallel),
+        (chunked._grad_transform_kernel, bv_grad),
+        (chunked._grad_output_kernel, bv_grad),
+    ):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BV": bv}, num_warps=4, num_stages=2)])
+        monkeypatch.setattr(kernel, "cache", {})
+    inputs = random_inputs(1, seq_len, 2, key_dim, value_dim, with_initial_state=with_initial_state, seed=seq_len)
+    tol = 2e-5 if dtype == torch.float32 else 4e-3
+    compare_to_float64(gated_delta_chunked_triton, inputs, dtype, tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode step
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "pytorch"])
+def test_step_updates_only_addressed_slots_in_place(use_kernel):
+    if use_kernel and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(6, 2, 48, 24, generator=gen)  # Dv 48 = 2 row blocks of 32 (one partial); Dk 24 masked
+    before = pool.clone()
+    address = pool.data_ptr()
+    slots = torch.tensor([4, 1, 2])
+    token = random_step(3, 2, 24, 48, seed=1)
+    step = gated_delta_step_ if use_kernel else gated_delta_step_inplace
+    r = step(pool, slots, **token)
+
+    r_ref, new_ref = exact_step(before[slots], token)
+    assert pool.data_ptr() == address
+    assert_relative_close(r, r_ref, 1e-5, "r")
+    assert_relative_close(pool[slots], new_ref, 1e-5, "updated slots")
+    untouched = [i for i in range(6) if i not in slots.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@interpreter_only
+def test_prefill_then_decode_equals_one_chunked_pass():
+    """Chunked kernel over 70 tokens, then 5 decode steps on a pool == one chunked pass over 75."""
+    total, prefill = 75, 70
+    inputs = cast(random_inputs(2, total, 2, 16, 32, seed=8), torch.float32)
+    r_full, state_full = gated_delta_chunked_triton(**inputs)
+    head = {name: x if name == "initial_state" else x[:, :prefill] for name, x in inputs.items()}
+    r_prefill, state = gated_delta_chunked_triton(**head)
+
+    pool = torch.zeros(4, 2, 32, 16)
+    slots = torch.tensor([3, 0])
+    pool[slots] = state
+    decoded = []
+    for t in range(prefill, total):
+        token = {name: inputs[name][:, t] for name in ("q", "k", "v", "log_gamma", "beta")}
+        decoded.append(gated_delta_step_(pool, slots, **token))
+    torch.testing.assert_close(r_prefill, r_full[:, :prefill], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(decoded, dim=1), r_full[:, prefill:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[slots], state_full, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration
+
+
+@interpreter_only
+@pytest.mark.parametrize("with_initial_state", [True, False], ids=["init", "zeros"])
+def test_chunked_op_passes_opcheck(with_initial_state):
+    inputs = cast(random_inputs(1, 20, 1, 16, 16, with_initial_state=with_initial_state, seed=2), torch.float32)
+    args = tuple(inputs[name] for name in NAMES)
+    for x in args:
+        if x is not None:
+            x.requires_grad_(True)
+    torch.library.opcheck(torch.ops.atma.gated_delta_chunk_fwd, (*args, True, True))
+
+
+@interpreter_only
+def test_backward_reuses_the_forward_workspaces():
+    """A forward with gradients keeps its workspaces; the backward runs neither of the forward's
+    workspace kernels again. Without gradients the workspaces come back empty."""
+    from atma_titan.kernels.gated_delta import triton_chunked
+
+    inputs = cast(random_inputs(1, 70, 2, 16, 32, with_initial_state=True, seed=4), torch.float32)
+    launched = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    names = ["_prepare_kernel", "_state_fwd_kernel", "_output_kernel", "_grad_transform_kernel"]
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(triton_chunked, name, Counting(name, getattr(triton_chunked, name))))
+        with torch.no_grad():
+            _, _, *empty = torch.ops.atma.gated_delta_chunk_fwd(*inputs.values(), True, False)
+        assert all(w.numel() == 0 for w in empty) and len(empty) == len(triton_chunked.WORKSPACES)
+        launched.clear()
+        args = {name: x.requires_grad_(True) for name, x in inputs.items()}
+        r, state = gated_delta_chunked_triton(**args)
+        (r.square().sum() + state.sum()).backward()
+    assert launched == names, launched  # one prepare and one state pass: the forward's
+    assert all(x.grad is not None for x in args.values())
+
+    # the op called directly without its workspaces refuses a backward instead of recomputing them
+    r, *_ = torch.ops.atma.gated_delta_chunk_fwd(*args.values(), True, False)
+    with pytest.raises(RuntimeError, match="keep_workspaces=False"):
+        r.sum().backward()
+
+
+def test_step_op_passes_opcheck():
+    pool = torch.randn(3, 1, 16, 16)
+    token = random_step(2, 1, 16, 16, seed=3)
+    torch.library.opcheck(
+        torch.ops.atma.gated_delta_step,
+        (pool, torch.tensor([2, 0]), *token.values(), True),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+
+@interpreter_only
+def test_compiles_with_fullgraph_and_backward_on_cpu():
+    inputs = cast(random_inputs(1, 20, 1, 16, 16, seed=6), torch.float32)
+    for x in inputs.values():
+        x.requires_grad_(True)
+
+    def memory(q, k, v, log_gamma, beta, initial_state):
+        r, state = gated_delta_chunked_triton(q, k, v, log_gamma, beta.sigmoid(), initial_state=initial_state)
+        return (r * 2).sum() + state.square().sum()
+
+    compiled = torch.compile(memory, fullgraph=True, backend="inductor")
+    loss = compiled(*inputs.values())
+    grads = torch.autograd.grad(loss, list(inputs.values()))
+    loss_eager = memory(*inputs.values())
+    grads_eager = torch.autograd.grad(loss_eager, list(inputs.values()))
+    torch.testing.assert_close(loss, loss_eager)
+    for actual, expected in zip(grads, grads_eager):
+        torch.testing.assert_close(actual, expected)

@@ -1,0 +1,86 @@
+"""The gated short convolution's backward Triton kernel under the Triton interpreter (CPU), against float64
+references.
+
+Not collected on its own (the name does not start with test_): test_short_conv.py runs it in a subprocess with
+TRITON_INTERPRET=1, set before triton is imported. Alone:
+    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/short_conv_cases.py
+Every launch runs under the interpreter bounds check of gated_delta_triton_cases.py. Tiles shrink to 8 x 16
+and row groups to 16 rows, so 3 sequences of 13 tokens take row groups that cut sequences and tiles that
+cross them, over 2 channel blocks, ragged both ways.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from gated_delta_triton_cases import interpreter_bounds_check
+
+from atma_titan.kernels.short_conv import gated_conv_backward, gated_conv_backward_reference
+from atma_titan.models.conv import GatedShortConv
+from atma_titan.models.flavors import FLAVORS
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_short_conv.py (sets TRITON_INTERPRET=1)"
+from atma_titan.kernels.short_conv import triton_short_conv  # noqa: E402  (after the check: it imports triton)
+
+
+@pytest.fixture(autouse=True)
+def _checked(monkeypatch):
+    monkeypatch.setattr(triton_short_conv, "BLOCK_M", 8)
+    monkeypatch.setattr(triton_short_conv, "BLOCK_N", 16)
+    monkeypatch.setattr(triton_short_conv, "ROWS_PER_PROGRAM", 16)
+    with interpreter_bounds_check():
+        yield
+
+
+SHAPES = [(3, 13, 20, 3), (2, 5, 7, 4), (1, 1, 3, 3), (2, 6, 4, 1), (0, 4, 5, 3)]  # batch, seq_len, channels, kernel
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("batch, seq_len, channels, kernel", SHAPES)
+def test_the_kernel_matches_float64(batch, seq_len, channels, kernel, with_bias):
+    g = torch.Generator().manual_seed(batch + seq_len + channels)
+    u = torch.randn(batch, seq_len, 3 * channels, generator=g, dtype=torch.float64)
+    do = torch.randn(batch, seq_len, channels, generator=g, dtype=torch.float64)
+    weight = torch.randn(channels, kernel, generator=g, dtype=torch.float64)
+    bias = torch.randn(3 * channels, generator=g, dtype=torch.float64) if with_bias else None
+    want = gated_conv_backward_reference(u, do, weight, bias)
+    as_fp32 = None if bias is None else bias.float()
+    got = gated_conv_backward(u.float(), do.float(), weight.float(), as_fp32, impl="triton")
+    assert [t.dtype for t in got] == [torch.float32] * 4
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_input_comes_back_in_bf16_with_fp32_sums():
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(2, 21, 60, generator=g).bfloat16()
+    do = torch.randn(2, 21, 20, generator=g).bfloat16()
+    weight = torch.randn(20, 3, generator=g).bfloat16()
+    bias = torch.randn(60, generator=g).bfloat16()
+    want = gated_conv_backward_reference(u.double(), do.double(), weight.double(), bias.double())
+    got = gated_conv_backward(u, do, weight, bias, impl="triton")
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    # the interpreter truncates on the cast to bf16 where a GPU rounds: allow one bf16 step
+    for a, b in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a.double(), b, rtol=2**-7, atol=1e-5)
+    for a, b in zip(got[2:], want[2:]):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4)
+
+
+def test_the_mixer_through_the_kernel_has_autograds_gradients():
+    torch.manual_seed(0)
+    mixer = GatedShortConv(dataclasses.replace(FLAVORS["debug"], d_model=24, conv_impl="triton"))
+    for p in mixer.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    h = torch.randn(2, 19, 24, requires_grad=True)
+    out, _ = mixer(h)
+    b, c, x = mixer.in_proj(h).chunk(3, dim=-1)
+    want_out = mixer.out_proj(c * mixer.conv(b * x))
+    dout = torch.randn_like(out)
+    params = [h, *mixer.parameters()]
+    torch.testing.assert_close(out, want_out)
+    for a, b in zip(torch.autograd.grad(out, params, dout), torch.autograd.grad(want_out, params, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
