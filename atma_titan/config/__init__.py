@@ -1,10 +1,20 @@
 """The job configuration: one dataclass per TOML section, read from TOML and `--section.key value` flags.
 
-    python -m atma_titan.config            print the reference of every key (docs/config.md)
+Resolution order: dataclass defaults < the TOML file < `--section.key value` flags. Every field carries a
+one-line doc in `field(metadata={"doc": ...})`; `--help` prints them all.
+
+    sections    the dataclasses, JobConfig and its TOML text
+    parse       TOML and command-line values coerced into a JobConfig (load_config)
+    validation  cross-field and range checks (validate)
+    reference   `--help`'s text and the markdown reference of docs/config.md
+
+    python -m atma_titan.config                           print the reference of every key
+    python -m atma_titan.config --update docs/config.md   rewrite docs/config.md's reference
 """
 
-from atma_titan.config.job import (
-    ConfigError,
+from atma_titan.config.parse import load_config, load_toml, parse_overrides
+from atma_titan.config.reference import REFERENCE_MARKERS, help_text, reference_markdown, write_reference
+from atma_titan.config.sections import (
     ActivationCheckpoint,
     Checkpoint,
     Data,
@@ -18,17 +28,11 @@ from atma_titan.config.job import (
     Optimizer,
     Parallelism,
     Profiling,
-    README_MARKERS,
     Training,
-    help_text,
-    load_config,
-    load_toml,
     opt,
-    parse_overrides,
-    reference_markdown,
     to_toml,
-    update_readme,
-    validate,
 )
+from atma_titan.config.validation import validate
+from atma_titan.utils.errors import ConfigError
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -50,7 +50,7 @@ def test_orthogonalized_matrix_does_not_depend_on_its_batch(monkeypatch):
     for subset in ([0], [5, 2], [1, 3, 4], [8, 0, 6], [7]):
         for i, x in zip(subset, orthogonalize_all([updates[i] for i in subset], 5, 1e-7)):
             assert torch.equal(x, everything[i]), (subset, i)
-    monkeypatch.setattr(optim, "MAX_BATCH_ELEMENTS", 2 * 24 * 16)  # batches of 2, 2, 2
+    monkeypatch.setattr(optim.newton_schulz, "MAX_BATCH_ELEMENTS", 2 * 24 * 16)  # batches of 2, 2, 2
     for x, y in zip(orthogonalize_all(updates, 5, 1e-7), everything):
         assert torch.equal(x, y)
 
@@ -94,7 +94,7 @@ def counting_a2a(*args, **kwargs):
 dist.init_process_group("gloo")
 world, rank = dist.get_world_size(), dist.get_rank()
 reference = train(make())  # single-process Muon on plain tensors
-optim.orthogonalize, dist.all_to_all_single = counting_orthogonalize, counting_a2a
+optim.newton_schulz.orthogonalize, dist.all_to_all_single = counting_orthogonalize, counting_a2a
 result = {"world": world}
 layouts = {"fsdp": (world,), "hsdp": (2, world // 2) if world > 1 else (1, 1), "columns": (world,)}
 for name, mesh_shape in layouts.items():

@@ -53,7 +53,8 @@ def test_muon_equals_torch_muon_on_plain_tensors(monkeypatch):
     from atma_titan import optim
     from atma_titan.optim import Muon
 
-    monkeypatch.setattr(optim, "orthogonalize", functools.partial(optim.orthogonalize, compute_dtype=torch.bfloat16))
+    orthogonalize_in_bf16 = functools.partial(optim.orthogonalize, compute_dtype=torch.bfloat16)
+    monkeypatch.setattr(optim.newton_schulz, "orthogonalize", orthogonalize_in_bf16)
     torch.manual_seed(0)
     weights = [torch.randn(16, 8), torch.randn(4, 12), torch.randn(32, 3)]
     ours = [w.clone().requires_grad_() for w in weights]
@@ -89,7 +90,7 @@ def test_muon_batches_matrices_of_one_shape_and_matches_torch_muon(monkeypatch):
 
     calls = []
     real = optim.orthogonalize
-    monkeypatch.setattr(optim, "orthogonalize", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    monkeypatch.setattr(optim.newton_schulz, "orthogonalize", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
     torch.manual_seed(0)
     weights = [torch.randn(48, 40) for _ in range(5)] + [torch.randn(40, 48) for _ in range(2)] + [torch.randn(8, 3)]
     ours = [w.clone().requires_grad_() for w in weights]
@@ -114,7 +115,7 @@ def test_small_matrices_share_one_zero_padded_batch_and_keep_their_own_results(m
 
     calls = []
     real = optim.orthogonalize
-    monkeypatch.setattr(optim, "orthogonalize", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
+    monkeypatch.setattr(optim.newton_schulz, "orthogonalize", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
     torch.manual_seed(0)
     updates = [torch.randn(8, 3), torch.randn(3, 8), torch.randn(20, 100), torch.randn(1, 5), torch.randn(64, 40)]
     done = optim.orthogonalize_all(updates, 5, 1e-7)
@@ -152,7 +153,7 @@ def test_orthogonalize_all_caps_the_stacked_memory(monkeypatch):
     torch.manual_seed(0)
     updates = [torch.randn(12, 20) for _ in range(7)]
     whole = optim.orthogonalize_all(updates, 5, 1e-7)
-    monkeypatch.setattr(optim, "MAX_BATCH_ELEMENTS", 3 * 12 * 20)  # batches of 3, 3 and 1
+    monkeypatch.setattr(optim.newton_schulz, "MAX_BATCH_ELEMENTS", 3 * 12 * 20)  # batches of 3, 3 and 1
     capped = optim.orthogonalize_all(updates, 5, 1e-7)
     for u, w, c in zip(updates, whole, capped):
         torch.testing.assert_close(c.float(), w.float(), atol=1e-2, rtol=0)
@@ -220,8 +221,8 @@ def test_optimizers_queue_the_whole_step_before_asking_and_a_skip_changes_nothin
     from atma_titan import optim
 
     events = []
-    real = optim.apply_updates_
-    monkeypatch.setattr(optim, "apply_updates_", lambda *a, **k: events.append("muon update") or real(*a, **k))
+    real = optim.muon.apply_updates_
+    monkeypatch.setattr(optim.muon, "apply_updates_", lambda *a, **k: events.append("muon update") or real(*a, **k))
     ours, params = _muon_and_fused_adamw(device)
     ref, ref_params = _muon_and_fused_adamw(device)
     for step in range(4):

@@ -103,15 +103,15 @@ def test_help_exits_zero():
     assert proc.returncode == 0 and "--model.attention" in proc.stdout
 
 
-def test_readme_config_reference_is_current():
+def test_docs_config_reference_is_current():
     from pathlib import Path
 
-    from atma_titan.config import README_MARKERS, reference_markdown
+    from atma_titan.config import REFERENCE_MARKERS, reference_markdown
 
-    readme = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
-    start, end = README_MARKERS
-    section = readme[readme.index(start) + len(start) : readme.index(end)]
-    assert section == reference_markdown(), "regenerate with: python -m atma_titan.config --update README.md"
+    doc = Path(__file__).resolve().parents[2].joinpath("docs", "config.md").read_text()
+    start, end = REFERENCE_MARKERS
+    section = doc[doc.index(start) + len(start) : doc.index(end)]
+    assert section == reference_markdown(), "regenerate with: python -m atma_titan.config --update docs/config.md"
 
 
 @pytest.mark.parametrize(

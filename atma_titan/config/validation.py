@@ -1,0 +1,99 @@
+"""Cross-field and range checks of a resolved config, which the field types alone cannot express."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atma_titan.config.sections import JobConfig
+from atma_titan.models.flavors import resolve_model_args
+from atma_titan.utils.errors import ConfigError
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field and range checks that the types alone cannot express."""
+    t = cfg.training
+
+    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
+        if not ok:
+            raise ConfigError(f"'{key}' = {value!r} is invalid; allowed: {allowed}.")
+
+    need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
+    need(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
+    need(t.micro_batch_size >= 1, "training.micro_batch_size", t.micro_batch_size, "an integer >= 1")
+    need(
+        t.batch_tokens % t.seq_len == 0,
+        "training.batch_tokens",
+        t.batch_tokens,
+        f"a multiple of training.seq_len ({t.seq_len})",
+    )
+    need(t.max_norm >= 0, "training.max_norm", t.max_norm, ">= 0")
+    need(t.loss_chunk_mib > 0, "training.loss_chunk_mib", t.loss_chunk_mib, "a number > 0")
+    need(t.gc_interval >= 0, "training.gc_interval", t.gc_interval, "an integer >= 0 (0 = automatic collection)")
+    need(cfg.metrics.log_freq >= 1, "metrics.log_freq", cfg.metrics.log_freq, "an integer >= 1")
+    need(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "an integer >= 0")
+    need(cfg.data.recall_weight > 0, "data.recall_weight", cfg.data.recall_weight, "a number > 0")
+    need(
+        cfg.data.recall_weight == 1.0 or cfg.data.source == "synthetic",
+        "data.recall_weight",
+        cfg.data.recall_weight,
+        "1.0 unless data.source = synthetic (only the synthetic source plants recall records)",
+    )
+    need(
+        0.0 <= cfg.lr_scheduler.decay_start <= 1.0,
+        "lr_scheduler.decay_start",
+        cfg.lr_scheduler.decay_start,
+        "a fraction in [0, 1]",
+    )
+    need(
+        0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0,
+        "lr_scheduler.min_lr_ratio",
+        cfg.lr_scheduler.min_lr_ratio,
+        "a fraction in [0, 1]",
+    )
+    need(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, ">= 0")
+    need(
+        len(cfg.optimizer.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.adam_betas),
+        "optimizer.adam_betas",
+        cfg.optimizer.adam_betas,
+        "two numbers in [0, 1)",
+    )
+    need(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, "an integer >= 1")
+    need(cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, ">= 0")
+    need(
+        not (cfg.checkpoint.initial_load_hf and cfg.checkpoint.load_path),
+        "checkpoint.initial_load_hf",
+        cfg.checkpoint.initial_load_hf,
+        "empty when checkpoint.load_path is set (one starting point)",
+    )
+    need(
+        cfg.activation_checkpoint.every_n >= 1,
+        "activation_checkpoint.every_n",
+        cfg.activation_checkpoint.every_n,
+        "an integer >= 1",
+    )
+    need(cfg.eval.interval >= 0, "eval.interval", cfg.eval.interval, ">= 0 (0 = off)")
+    need(cfg.eval.val_batches >= 0, "eval.val_batches", cfg.eval.val_batches, ">= 0")
+    need(
+        all(isinstance(g, int) and g >= 1 for g in cfg.eval.needle_gaps),
+        "eval.needle_gaps",
+        cfg.eval.needle_gaps,
+        "a list of positive integers",
+    )
+    need(cfg.profiling.start_step >= 1, "profiling.start_step", cfg.profiling.start_step, "an integer >= 1")
+    need(cfg.profiling.steps >= 1, "profiling.steps", cfg.profiling.steps, "an integer >= 1")
+    need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
+    need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
+    need(cfg.debug.memory_cap_gib >= 0, "debug.memory_cap_gib", cfg.debug.memory_cap_gib, ">= 0")
+    resolve_model_args(cfg.model)  # the flavor and the overrides together (models/flavors.py)
+
+
+def config_warnings(cfg: JobConfig) -> list[str]:
+    """What a valid config probably did not mean: one line each, naming the keys and their values."""
+    found = []
+    warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    if warmup > steps:
+        found.append(
+            f"'lr_scheduler.warmup_steps' = {warmup} is longer than the run ('training.steps' = {steps}): the "
+            f"learning rate reaches only {steps / warmup:.0%} of its peak; lower the warm-up or raise the steps"
+        )
+    return found
