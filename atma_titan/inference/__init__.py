@@ -5,7 +5,7 @@
 - sampling.py: greedy, temperature, top-k, top-p.
 - engine.py: `Generator` (prefill, decode steps in CUDA graphs, continuous batching).
 
-The command is `python -m atma_titan.generate` (atma_titan/generate.py); docs/inference.md explains it.
+The command is `python -m atma_titan.generate` (atma_titan/generate.py); docs/generation.md explains it.
 """
 
 from atma_titan.inference.cache import CacheFullError, ModelCache

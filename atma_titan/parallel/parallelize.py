@@ -54,7 +54,7 @@ def selective_policy(max_saved_width: int | None = None):
 
 # What selective AC keeps besides the kernels' outputs: every matmul's output (nothing repeated), those at
 # most 4 x d_model wide (the MLP's up-projection, 8 x d_model, is recomputed: ~half the memory for ~16%
-# more matmul FLOPs at 370M), or none (every matmul recomputed). benchmarks/activation_memory.py measures them.
+# more matmul FLOPs at 370M), or none (every matmul recomputed). benchmarks/train/activation_memory.py measures them.
 SELECTIVE_SAVES = ("matmuls", "narrow_matmuls", "kernels")
 
 
@@ -88,7 +88,7 @@ def apply_activation_checkpointing(
 def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     """Compile each block, the final norm and the head on their own (fullgraph). The final norm too: run
     eagerly, its fp32 forward and backward are 13 kernels over the (tokens x d) activations, 1.46 ms a
-    micro-batch of 32K tokens at 370M on the H200 (benchmarks/final_norm.py), where compiled they fuse."""
+    micro-batch of 32K tokens at 370M on the H200 (measured 2026-12-03), where compiled they fuse."""
     for name, block in list(model.blocks.items()):
         model.blocks[name] = torch.compile(block, fullgraph=True, backend=backend)
     model.norm = torch.compile(model.norm, fullgraph=True, backend=backend)

@@ -25,13 +25,13 @@ from pathlib import Path
 
 from atma_titan.sweep.plan import Plan, SweepError, validate_cell
 
-# Measured on one H200 (benchmarks/results/train_speed-h200-370m-s22/, README "Speed on one H200"): the 370M
+# Measured on one H200 (benchmarks/results/train_speed-h200-2026-12-03.json, docs/performance.md): the 370M
 # at 2K, compile + Triton kernels, bf16, FSDP2 on one rank, the recipe's batch (524,288 tokens a step in 16
 # micro-batches, selective AC in the global blocks), the setting a sweep cell of train_configs/atma_370m.toml
 # trains with, so the one used here; and one micro-batch of 16 x 2,048 per step, for comparison.
 H200_RECIPE_TOKENS_PER_S = 218_729
 H200_ONE_MICRO_BATCH_TOKENS_PER_S = 192_700
-H200_MEASUREMENT = "benchmarks/results/train_speed-h200-370m-s22/train_speed-h200-370m-s22.json"
+H200_MEASUREMENT = "benchmarks/results/train_speed-h200-2026-12-03.json"
 BUILTIN_THROUGHPUT = {
     "reference": {"flavor": "atma_370m", "seq_len": 2048},
     "gpus": {

@@ -1,31 +1,35 @@
 """Tokens/s the data loader delivers to one rank, against what training consumes, in one run.
 
-    python benchmarks/data_throughput.py [--tokens 100_000_000] [--workers 0,2,4] [--world 1,8]
+    python benchmarks/data/data_throughput.py [--tokens 100_000_000] [--workers 0,2,4] [--world 1,8]
 
 Two paths: llm.c `.bin` shards (memory-mapped windows: the training path) and jsonl text
 tokenised on the fly (byte tokenizer, a BPE trained here with `tokenizers`, and GPT-2 when
 tiktoken's files are cached). Each loader is rank 0 of `--world` ranks, 2K sequences, micro-batches
 of 16, so it builds exactly the batches rank 0 would train on. The consumption side is the 370M
-model's training speed per GPU: `--consume` tokens/s (default: the H200 figure measured with this
-repository, benchmarks/results/train_speed-h200-370m-v2.json) and the ~225K tokens/s of a 315M
-softmax transformer there. Results go to benchmarks/results/data_throughput-<tag>.json.
+model's training speed per GPU: `--consume` tokens/s (default: the recipe's on one H200,
+benchmarks/results/train_speed-h200-2026-12-04.json). Results go to
+benchmarks/results/data_throughput-cpu-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from atma_titan.data.documents import TextFiles
-from atma_titan.data.loader import build_dataloader, stateful_loader
-from atma_titan.data.packing import PackedBatches
-from atma_titan.data.shards import BinShards, write_shard
-from atma_titan.data.tokenizer import build_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
+
+from atma_titan.data.documents import TextFiles  # noqa: E402
+from atma_titan.data.loader import build_dataloader, stateful_loader  # noqa: E402
+from atma_titan.data.packing import PackedBatches  # noqa: E402
+from atma_titan.data.shards import BinShards, write_shard  # noqa: E402
+from atma_titan.data.tokenizer import build_tokenizer  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 SEQ_LEN, MICRO_BATCH, GLOBAL_BATCH = 2048, 16, 256
 WORDS = (
@@ -85,9 +89,9 @@ def main() -> None:
     p.add_argument("--workers", default="0,2,4")
     p.add_argument("--world", default="1,8")
     p.add_argument("--batches", type=int, default=40, help="micro-batches timed per loader")
-    p.add_argument("--consume", type=float, default=90_557.0, help="training tokens/s per GPU to compare with")
-    p.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--consume", type=float, default=216_880.0, help="training tokens/s per GPU to compare with")
+    p.add_argument("--tag", help="name the file data_throughput-<tag>.json instead")
+    p.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     a = p.parse_args()
     workers = [int(w) for w in a.workers.split(",")]
     worlds = [int(w) for w in a.world.split(",")]
@@ -139,12 +143,9 @@ def main() -> None:
             f"{r['path']:<18} {r['world']:>5} {r['workers']:>7} {r['tokens_per_second']:>14,.0f} "
             f"{r['x_consumption']:>13.1f}x"
         )
-    print(f"(consumption: {a.consume:,.0f} tokens/s per GPU; a 315M softmax transformer: ~225,000)")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"data_throughput-{a.tag}.json"
-    path.write_text(json.dumps({"consume_tokens_per_second": a.consume, "results": rows}, indent=2))
-    print(f"wrote {path}")
+    print(f"(consumption: {a.consume:,.0f} tokens/s per GPU)")
+    result = {"consume_tokens_per_second": a.consume, "results": rows}
+    write_json(result_path("data_throughput", a.out, "cpu", a.tag), result)
 
 
 if __name__ == "__main__":

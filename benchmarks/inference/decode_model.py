@@ -1,8 +1,8 @@
 """Whole-model generation speed on one GPU: decode tokens/s against the step's bandwidth floor, and prefill.
 
-    python benchmarks/decode_model.py [--flavor atma_370m] [--batches 1,8,64] [--contexts 2K,32K]
-                                      [--prefill 2K,32K] [--runs 5] [--steps 20] [--modes ...]
-                                      [--out benchmarks/results/]
+    python benchmarks/inference/decode_model.py [--flavor atma_370m] [--batches 1,8,64] [--contexts 2K,32K]
+                                                [--prefill 2K,32K] [--runs 5] [--steps 20] [--modes ...]
+                                                [--out benchmarks/results/]
 
 The model has random weights (speed does not depend on them), Linear weights in bf16 as the
 generate command loads them. Decode: every sequence of the batch holds `context` tokens in its
@@ -18,13 +18,12 @@ fp32 norms and scalars; B rows of the embedding), every cached key and value onc
 and conv state read and written. Prefill: one prompt of each length through the trunk with the fused
 kernels (chunks of --prefill-chunk tokens), tokens / s. Decode modes: "compiled graph" (torch.compile
 and a CUDA graph, what `generate --compile` runs), "graph" (the eager step captured), "eager".
-Results: decode_model-<gpu>.json.
+Results: benchmarks/results/decode_model-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,11 +31,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
 
 from atma_titan.eval.common import parse_sizes, size_label  # noqa: E402
 from atma_titan.inference import Generator, cast_for_inference  # noqa: E402
 from atma_titan.models import FLAVORS, build_model  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 
 def copy_bandwidth(gib: float = 1.0) -> float:
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     p.add_argument("--runs", type=int, default=5, help="timings per median")
     p.add_argument("--modes", default=",".join(MODES), help=f"decode modes to time, of: {', '.join(MODES)}")
-    p.add_argument("--out", default="benchmarks/results/")
+    p.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     args = p.parse_args(argv)
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -192,12 +192,7 @@ def main(argv=None) -> None:
         row = bench_prefill(model, length, args)
         results["prefill"].append(row)
         print(f"prefill {size_label(length):>4}: {row['seconds']:.3f} s, {row['tokens_per_s']:,.0f} tok/s", flush=True)
-    out = Path(args.out)
-    if out.suffix != ".json":
-        out.mkdir(parents=True, exist_ok=True)
-        out = out / f"decode_model-{gpu.split()[-1].lower()}.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(result_path("decode_model", args.out), results)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Long-context forward of a whole model on one GPU: time and peak memory per kernel choice.
 
-    python benchmarks/long_context.py --flavor atma_370m --lengths 8K,32K,64K --impls triton,reference
+    python benchmarks/inference/long_context.py --flavor atma_370m --lengths 8K,32K,64K --impls triton,reference
 
 Random weights (the cost of a forward does not depend on their values) in bf16, one sequence, no
 gradients; the LM head runs on the last position only, as the evaluation does. Each (impl, length)
 is timed after a warm-up call; the reference is skipped at lengths where it would take too long
-(`--max-reference`). Results go to benchmarks/results/long_context-<tag>.json.
+(`--max-reference`). Results go to benchmarks/results/long_context-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from atma_titan.models import ATMA
-from atma_titan.models.flavors import FLAVORS
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
+
+from atma_titan.models import ATMA  # noqa: E402
+from atma_titan.models.flavors import FLAVORS  # noqa: E402
+from benchmarks.common import device_name, result_path, write_json  # noqa: E402
 
 
 def parse_length(text: str) -> int:
@@ -65,11 +69,11 @@ def main() -> None:
     parser.add_argument("--lengths", default="8K,32K,64K")
     parser.add_argument("--impls", default="triton,reference")
     parser.add_argument("--max-reference", default="64K", help="longest length the reference is run at")
-    parser.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--tag", help="name the file long_context-<tag>.json instead")
+    parser.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("long_context.py measures a GPU; no CUDA device is visible")
+        raise SystemExit("benchmarks/inference/long_context.py measures a GPU; no CUDA device is visible")
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     lengths = [parse_length(x) for x in args.lengths.split(",")]
@@ -99,12 +103,8 @@ def main() -> None:
             f"{r['impl']:<10} {r['length']:>8} {r['seconds']:>9.3f} {r['tokens_per_second']:>11,.0f}"
             f" {r['peak_gib_above_weights']:>9.2f}"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"long_context-{args.tag}.json"
-    device_name = torch.cuda.get_device_name()
-    path.write_text(json.dumps({"flavor": args.flavor, "device": device_name, "results": results}, indent=2))
-    print(f"\nwrote {path}")
+    result = {"flavor": args.flavor, "device": device_name(), "results": results}
+    write_json(result_path("long_context", args.out, tag=args.tag), result)
 
 
 if __name__ == "__main__":

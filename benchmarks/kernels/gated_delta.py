@@ -1,8 +1,8 @@
 """Gated delta memory kernels on one GPU: chunked training forward / forward+backward, and the decode step.
 
-    python benchmarks/gated_delta.py [--batch 16 --seq-len 2048 --heads 8 --key-dim 128 --value-dim 128]
-                                     [--decode-batch 64] [--step-sweep]
-                                     [--out benchmarks/results/ | --out FILE.json]
+    python benchmarks/kernels/gated_delta.py [--batch 16 --seq-len 2048 --heads 8 --key-dim 128 --value-dim 128]
+                                             [--decode-batch 64] [--step-sweep]
+                                             [--out benchmarks/results/ | --out FILE.json]
 
 Chunked (bf16 q, k, v; fp32 gates and state; normalize_qk=True): this Triton kernel, the PyTorch
 chunked reference and fla's chunk_gated_delta_rule when fla-core is importable (its backward refuses
@@ -16,10 +16,10 @@ Python / custom-op dispatch is included: at ~20 us a step that overhead dominate
 CUDA graph, as a decode loop runs it (20 steps captured into one graph after warm-up, the replay
 timed, per step). In the graph the steps rotate over 4 disjoint slot sets (copies over 4 buffer
 pairs) so consecutive steps do not find their state in the 50 MB L2. --step-sweep also times the
-step kernel's rows per program x warps in the graph. --out takes a directory (gated_delta-<gpu>.json
-is written in it) or a file path.
+step kernel's rows per program x warps in the graph. --out takes a directory (gated_delta-<gpu>-<date>.json
+is written in it) or a .json file.
 
-    python benchmarks/gated_delta.py --resources [--key-dim 128 --value-dim 128] [--kernels prepare,grad_output]
+    python benchmarks/kernels/gated_delta.py --resources [--key-dim 128 --value-dim 128] [--kernels prepare,grad_output]
 
 needs no GPU: it compiles every kernel for sm_90 (bf16) and prints registers and stack bytes per
 thread (stack > 0 means spills), for each autotune config, from triton's bundled cuobjdump.
@@ -28,7 +28,6 @@ thread (stack > 0 means spills), for each autotune config, from triton's bundled
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
 
 from atma_titan.kernels.gated_delta import (  # noqa: E402
     gated_delta_chunked,
@@ -45,12 +44,7 @@ from atma_titan.kernels.gated_delta import (  # noqa: E402
     gated_delta_step_,
     gated_delta_step_inplace,
 )
-
-
-def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+from benchmarks.common import do_bench_ms, result_path, write_json  # noqa: E402
 
 
 def chunked_inputs(args, requires_grad: bool) -> dict:
@@ -76,7 +70,7 @@ def time_chunked(name: str, fn, args) -> dict:
     try:
         inputs = chunked_inputs(args, requires_grad=False)
         with torch.no_grad():
-            row["forward_ms"] = bench_ms(lambda: fn(**inputs))
+            row["forward_ms"] = do_bench_ms(lambda: fn(**inputs))
     except Exception as error:  # noqa: BLE001 - recorded, the other rows still run
         row["error"] = f"forward: {type(error).__name__}: {error}"[:500]
         return row
@@ -90,7 +84,7 @@ def time_chunked(name: str, fn, args) -> dict:
             r, state = fn(**inputs)
             torch.autograd.backward((r, state), (dr, dstate))
 
-        row["forward_backward_ms"] = bench_ms(forward_backward)
+        row["forward_backward_ms"] = do_bench_ms(forward_backward)
         for x in leaves:
             x.grad = None
     except Exception as error:  # noqa: BLE001
@@ -125,7 +119,7 @@ def graph_us(step_fns) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    return bench_ms(graph.replay, warmup=10, rep=100) * 1e3 / len(step_fns)
+    return do_bench_ms(graph.replay, warmup=10, rep=100) * 1e3 / len(step_fns)
 
 
 def decode_setup(args) -> dict:
@@ -162,7 +156,7 @@ def time_decode(args) -> list[dict]:
     rows = []
     for name, make in (("copy", copy), ("triton_step", triton_step), ("pytorch_step", pytorch_step)):
         row = {"impl": name, "us": None, "tb_per_s": None, "graph_us": None, "graph_tb_per_s": None, "error": None}
-        row["us"] = bench_ms(make(0), warmup=50, rep=200) * 1e3
+        row["us"] = do_bench_ms(make(0), warmup=50, rep=200) * 1e3
         try:
             row["graph_us"] = graph_us([make(i) for i in range(GRAPH_STEPS)])
         except Exception as error:  # noqa: BLE001 - recorded, the eager time still stands
@@ -285,11 +279,6 @@ def print_resources(args) -> None:
                   f"regs={regs:>3} stack={stack:>5} shared={compiled.metadata.shared}")  # fmt: skip
 
 
-def gpu_slug() -> str:
-    name = torch.cuda.get_device_name().lower().replace("nvidia", "").strip()
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
@@ -299,7 +288,7 @@ def main() -> None:
     parser.add_argument("--value-dim", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--skip-reference", action="store_true", help="leave out the PyTorch chunked reference")
-    parser.add_argument("--out", type=Path, default=None, help="a directory (gated_delta-<gpu>.json inside) or a file")
+    parser.add_argument("--out", type=Path, default=None, help="a results folder or a .json file")
     parser.add_argument("--step-sweep", action="store_true", help="also time step rows-per-program x warps in a graph")
     parser.add_argument("--resources", action="store_true", help="registers / spills per kernel config (no GPU)")
     parser.add_argument("--kernels", default="", help="with --resources: only these kernels (comma-separated names)")
@@ -308,7 +297,7 @@ def main() -> None:
         print_resources(args)
         return
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/gated_delta.py needs a CUDA device")
+        sys.exit("benchmarks/kernels/gated_delta.py needs a CUDA device")
 
     impls = [("triton", gated_delta_chunked_triton)]
     if not args.skip_reference:
@@ -367,21 +356,7 @@ def main() -> None:
         "step_sweep": step_sweep,
         "autotune_choices": autotune_choices(chunked_kernels),
     }
-    out = output_path(args.out, gpu_slug())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"\nwrote {out}")
-
-
-def output_path(out: Path | None, slug: str) -> Path:
-    """--out: a directory (existing, or named with a trailing slash or without a suffix) gets
-    gated_delta-<gpu>.json inside; anything else is the file itself. None: benchmarks/results/."""
-    name = f"gated_delta-{slug}.json"
-    if out is None:
-        return Path(__file__).parent / "results" / name
-    if out.is_dir() or str(out).endswith(("/", "\\")) or (not out.exists() and out.suffix == ""):
-        return out / name
-    return out
+    write_json(result_path("gated_delta", args.out), result)
 
 
 def _fmt(x, width: int, digits: int = 3) -> str:

@@ -1,7 +1,7 @@
 """Shared memory and registers of every Triton kernel config the model launches, for A100, L4 and H100/H200.
 
-    python benchmarks/kernel_resources.py [--flavor atma_370m] [--seq-len 2048] [--archs 80,89,90]
-                                          [--jobs 2] [--out benchmarks/results/kernel_resources.json]
+    python benchmarks/kernels/kernel_resources.py [--flavor atma_370m] [--seq-len 2048] [--archs 80,89,90]
+                                                  [--jobs 2] [--out benchmarks/results/]
 
 Needs no GPU. The host launchers of the Polar attention (forward, backward, paged decode), gated
 delta memory (chunked forward / backward, decode step), LM-head cross-entropy, MLP GLU backward and Muon
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -30,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
 
 from atma_titan.kernels import resources  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 DEFAULT_ARCHS = (80, 89, 90)
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_resources.json"
 DECODE_PAGE_SIZE = 16  # the inference cache's default
 DECODE_CONTEXT = 4096
 
@@ -365,7 +364,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--archs", default=",".join(str(a) for a in DEFAULT_ARCHS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None, help="a results folder or a .json file")
     args = parser.parse_args()
     import triton
 
@@ -386,9 +385,8 @@ def main() -> None:
         "kernels": kernels,
         "compile_wall_s": round(time.perf_counter() - start, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {args.out} ({result['compile_wall_s']} s of compiles)")
+    print(f"\n{result['compile_wall_s']} s of compiles")
+    write_json(result_path("kernel_resources", args.out, device="sm" + "_".join(map(str, archs))), result)
 
 
 if __name__ == "__main__":

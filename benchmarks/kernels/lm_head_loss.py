@@ -1,7 +1,7 @@
 """LM head + soft-capped cross-entropy, forward + backward: time and peak memory of each implementation.
 
-    python benchmarks/lm_head_loss.py                       # GPU: 16 x 2048 tokens, d 1024, V 50,304, bf16
-    python benchmarks/lm_head_loss.py --cpu                 # tiny shapes on the CPU (a smoke run of this script)
+    python benchmarks/kernels/lm_head_loss.py               # GPU: 16 x 2048 tokens, d 1024, V 50,304, bf16
+    python benchmarks/kernels/lm_head_loss.py --cpu         # tiny shapes on the CPU (a smoke run of this script)
 
 Rows (each: the summed CE of the head's logits against random labels, and the gradients with respect
 to the hidden states, the head weight and the bias; parameters and hidden states in bf16, as under
@@ -23,14 +23,14 @@ Times are medians of CUDA-synchronised wall times over --runs runs after warm-up
 peak memory is the most allocated during one run above what was allocated before it (inputs,
 parameters). Ratios are plain / row: > 1 is faster or smaller than plain. One implementation failing
 (out of memory, a missing kernel) is recorded in its row and the others still run. The JSON goes to
-benchmarks/results/lm_head_loss-<tag>.json (tag: --tag, else the GPU's name, else "cpu").
+benchmarks/results/lm_head_loss-<tag>-<date>.json (tag: --tag, else the GPU's name, else "cpu").
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -38,9 +38,12 @@ from typing import Callable
 
 import torch
 
-from atma_titan.models.atma import SoftcapHead
-from atma_titan.models.loss import LossTargets, chunk_tokens_for
-from atma_titan.train import cross_entropy_sum
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
+
+from atma_titan.models.atma import SoftcapHead  # noqa: E402
+from atma_titan.models.loss import LossTargets, chunk_tokens_for  # noqa: E402
+from atma_titan.train import cross_entropy_sum  # noqa: E402
+from benchmarks.common import device_name, result_path, write_json  # noqa: E402
 
 GPU_SHAPE = dict(batch=16, seq=2048, d_model=1024, vocab=50_304)
 CPU_SHAPE = dict(batch=2, seq=64, d_model=32, vocab=1000)
@@ -61,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (compilation, autotuning)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: fast)")
     parser.add_argument("--tag", help="results file tag (default: the GPU's name, or cpu)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     return parser.parse_args()
 
 
@@ -238,22 +241,18 @@ def main() -> None:
         print(f"{row['impl']:<30} {row['ms']:9.2f} ms ({row['speedup_vs_plain']:5.2f}x) {memory}", flush=True)
     for name, note in notes.items():
         print(f"note: {name}: {note}")
-    tag = args.tag or (torch.cuda.get_device_name().split()[-1].lower() if device.type == "cuda" else "cpu")
-    path = Path(args.out) / f"lm_head_loss-{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "shape": {**shape, "tokens": tokens},
         "cap": args.cap,
         "dtype": "bfloat16",
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "compile_backend": args.compile_backend,
         "runs": args.runs,
         "rows": results,
         "notes": notes,
     }
-    path.write_text(json.dumps(report, indent=2))
-    print(f"wrote {path}")
+    write_json(result_path("lm_head_loss", args.out, device.type if device.type == "cpu" else None, args.tag), report)
 
 
 if __name__ == "__main__":

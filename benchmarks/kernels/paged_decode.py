@@ -1,7 +1,7 @@
-"""Decode benchmarks on CUDA. `kernel`: the paged Polar decode kernel against SDPA over a contiguous cache.
+"""The paged Polar decode kernel against SDPA over a contiguous cache, on CUDA.
 
-    python benchmarks/decode.py kernel [--shapes 32x32768,64x4096,8x65536,1x65536] [--page-sizes 16,256]
-                                       [--runs 30] [--rounds 3] [--out PATH]
+    python benchmarks/kernels/paged_decode.py [--shapes 32x32768,64x4096,8x65536,1x65536] [--page-sizes 16,256]
+                                              [--runs 30] [--rounds 3] [--out PATH]
 
 Kernel shape: 8 query / 2 KV heads, head_dim 128, bf16, one decode query per sequence, every sequence
 at the full context (batch x context). Per shape and page size, in the same process:
@@ -21,18 +21,13 @@ a shape is timed once per round in --rounds interleaved rounds, the median round
 launched eagerly instead (in a graph `copy_` becomes a memcpy node on a copy engine, ~2/3 of the kernel
 copy's bandwidth; a copy this large has no launch overhead to hide). Bandwidth = K/V bytes read
 (B * T * Hkv * D * 2 tensors * 2 bytes) / time; the copy also reports read + write bytes. Results go
-to benchmarks/results/decode_kernel-<gpu>.json.
-
-The file is organised for more parts: a subcommand per part (`kernel` here), each with its own
-`add_*_args` / `run_*` functions sharing `graph_time_us`, `gpu_slug` and `save`.
+to benchmarks/results/paged_decode-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -40,10 +35,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository: atma_titan and benchmarks.common without an install
 
 from atma_titan.kernels.polar import polar_decode_triton  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 KERNEL_SHAPES = "32x32768,64x4096,8x65536,1x65536"
@@ -92,25 +88,8 @@ def graph_time_us(calls, runs: int, *, graph: bool = True) -> float:
     return statistics.median(times)
 
 
-def gpu_slug() -> str:
-    name = torch.cuda.get_device_name().lower().replace("nvidia", "").strip()
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
-
-
-def save(record: dict, out: str | None, part: str) -> Path:
-    path = Path(out) if out else ROOT / "benchmarks" / "results" / f"decode_{part}-{gpu_slug()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    return path
-
-
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
-
-
-# ---------------------------------------------------------------------------------------------
-# kernel: paged Polar decode vs SDPA over a contiguous cache vs a copy
-# ---------------------------------------------------------------------------------------------
 
 
 def polar_params(device="cuda"):
@@ -313,18 +292,17 @@ def print_kernel_row(row):
         )
 
 
-def add_kernel_args(parser):
+def add_args(parser):
     parser.add_argument("--shapes", default=KERNEL_SHAPES, help="batch x context list, e.g. 32x32768,1x65536")
     parser.add_argument("--page-sizes", default="16,256")
     parser.add_argument("--runs", type=int, default=30, help="replays per median")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median round is reported")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decode_kernel-<gpu>.json)")
+    parser.add_argument("--out", default=None, help="a results folder or a .json file")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = parser.add_subparsers(dest="part", required=True)
-    add_kernel_args(parts.add_parser("kernel", help="paged Polar decode kernel vs SDPA (contiguous) vs a copy"))
+    add_args(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -344,11 +322,9 @@ def main() -> None:
         "`copies` distinct caches (>= 512 MiB per replay, cold L2); time per call; the median of --rounds "
         "interleaved rounds (rounds_us)",
     }
-    if args.part == "kernel":
-        print_kernel_header()
-        record["kernel"] = run_kernel(args)
-    path = save(record, args.out, args.part)
-    print(f"\nwrote {path}")
+    print_kernel_header()
+    record["kernel"] = run_kernel(args)
+    write_json(result_path("paged_decode", args.out), record)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Fused Polar attention against SDPA (flash and cuDNN) and the PyTorch streaming reference, on CUDA.
 
-    python benchmarks/polar_attention.py [--lengths 2048,8192,32768,65536] [--quick] [--out PATH]
-    python benchmarks/polar_attention.py --quick --backends compiled,polar_triton,sdpa_flash
+    python benchmarks/kernels/polar_attention.py [--lengths 2048,8192,32768,65536] [--quick] [--out PATH]
+    python benchmarks/kernels/polar_attention.py --quick --backends compiled,polar_triton,sdpa_flash
 
 Paper shape: 8 query heads, 2 KV heads, head_dim 128, bf16, causal; batch 16 at 2K, 4 at 8K, 1 at 32K and
 64K. Times are `triton.testing.do_bench` medians (warm-up and autotuning excluded). FLOPs: 4*B*H*T^2*D
@@ -10,24 +10,23 @@ in the same run. `compiled` times the kernel's custom ops inside torch.compile(f
 runs them (against polar_triton: what the opaque op costs). Memory: peak of one forward+backward above
 what was allocated before it, minus the outputs and input gradients it leaves behind. A backend that
 fails is recorded as null with its error.
-Results go to benchmarks/results/polar_attention-<gpu>.json.
+Results go to benchmarks/results/polar_attention-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository: atma_titan and benchmarks.common without an install
 
 from atma_titan.kernels.polar import polar_attention_reference, polar_attention_triton  # noqa: E402
+from benchmarks.common import do_bench_ms, result_path, write_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 BATCH = {2048: 16, 8192: 4, 32768: 1, 65536: 1}
@@ -125,11 +124,9 @@ def causal_flops(b: int, t: int) -> float:
 
 
 def bench_ms(fn, leaves, rep: int) -> float:
-    from triton.testing import do_bench
-
     fn()  # compile / autotune outside the timing
     torch.cuda.synchronize()
-    return do_bench(fn, warmup=max(rep // 4, 5), rep=rep, grad_to_none=leaves, return_mode="median")
+    return do_bench_ms(fn, warmup=max(rep // 4, 5), rep=rep, grad_to_none=leaves)
 
 
 def extra_memory_gib(forward_backward, leaves) -> float:
@@ -214,7 +211,7 @@ def main() -> None:
         help="comma-separated, from polar_triton, sdpa_flash, sdpa_cudnn, polar_reference, compiled",
     )
     parser.add_argument("--reference-max-len", type=int, default=8192, help="skip the PyTorch reference above")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/polar_attention-<gpu>.json)")
+    parser.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
@@ -249,9 +246,6 @@ def main() -> None:
                 print(f"T={t}: reference check failed: {err}")
     print_table(rows)
 
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"polar_attention-{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     import triton
 
     from atma_titan.kernels.backends import autotune_choices
@@ -266,8 +260,7 @@ def main() -> None:
         "results": rows,
         "autotune_choices": autotune_choices(triton_attention),
     }
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(result_path("polar_attention", args.out), record)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """Peak memory and recomputed work of each activation-checkpointing policy, on CPU, allocating nothing.
 
-    python benchmarks/activation_memory.py --config train_configs/atma_370m.toml --micro-batch 16
+    python benchmarks/train/activation_memory.py --config train_configs/atma_370m.toml --micro-batch 16
 
 One forward + backward of the model (the Triton kernels' ops, bf16 weights and activations) runs on fake
 tensors (FakeTensorMode): PyTorch's MemTracker follows every tensor and reports the peak, and FLOPs are
 counted per op, so the forward work that each policy repeats in backward is exact. Eager, not compiled:
 Inductor's partitioner also recomputes some elementwise ops by itself, so the GPU's peaks are lower
-(benchmarks/train_speed.py measures those); the policies' order and differences are what this shows.
+(benchmarks/train/train_speed.py measures those); the policies' order and differences are what this shows.
 Parameters, gradients and the logits' (tokens x vocab) buffers are left out: this is the activations'
-share of a training step's peak. Results: benchmarks/results/activation_memory-<tag>.json.
+share of a training step's peak. Results: benchmarks/results/activation_memory-cpu-<date>.json.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
-import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,9 +28,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from atma_titan.config import load_config
-from atma_titan.models.atma import ATMA
-from atma_titan.models.flavors import resolve_model_args
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
+
+from atma_titan.config import load_config  # noqa: E402
+from atma_titan.models.atma import ATMA  # noqa: E402
+from atma_titan.models.flavors import resolve_model_args  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 parallelize = importlib.import_module("atma_titan.parallel.parallelize")
 
@@ -105,8 +108,8 @@ def main() -> None:
     parser.add_argument("--config", default="train_configs/atma_370m.toml")
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=None, help="default: the config's training.seq_len")
-    parser.add_argument("--tag", default="370m-mb16")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--tag", help="name the file activation_memory-<tag>.json instead")
+    parser.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     opts, overrides = parser.parse_known_args()
     cfg = load_config(["--config", opts.config, *[x for x in overrides if x != "--"]])
     # The kernels' ops (their fake implementations) stand for what the GPU saves.
@@ -127,12 +130,8 @@ def main() -> None:
             f"{r['policy']:<36} {r['peak_activation_gib']:>16.1f} {r['peak_temp_gib']:>9.1f} "
             f"{r['matmul_tflop']:>13.1f} {extra:>+8.1%} {r['kernel_forward_calls']:>11}"
         )
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"activation_memory-{opts.tag}.json"
     meta = {"config": opts.config, "overrides": overrides, "micro_batch": opts.micro_batch, "seq_len": seq_len}
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print(f"\nwrote {path}")
+    write_json(result_path("activation_memory", opts.out, "cpu", opts.tag), {**meta, "rows": rows})
 
 
 if __name__ == "__main__":

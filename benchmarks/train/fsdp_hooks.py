@@ -1,20 +1,20 @@
 """Host time of FSDP2's hooks per block at one rank, with and without resharding after forward.
 
-    python benchmarks/fsdp_hooks.py [--flavor debug] [--layers 8] [--device cpu|cuda] [--steps 5] [--out FILE]
+    python benchmarks/train/fsdp_hooks.py [--flavor debug] [--layers 8] [--device cpu|cuda] [--steps 5] [--out FILE]
 
 One process forms a one-rank group (gloo on CPU, NCCL on CUDA) and wraps the model as the trainer
 does (`apply_fsdp`). It profiles `--steps` forward+backward steps under each setting of
 `parallelism.reshard_after_forward`. It prints the host (CPU) time of each `FSDP::` hook kind per
 block and step, and the wall time of a step. Results go to
-benchmarks/results/fsdp_hooks-<device>.json.
+benchmarks/results/fsdp_hooks-<device>-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,12 +24,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
-from atma_titan.models.atma import ATMA
-from atma_titan.models.flavors import FLAVORS
-from atma_titan.parallel.dims import ParallelDims
-from atma_titan.parallel.parallelize import apply_fsdp
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from atma_titan.models.atma import ATMA  # noqa: E402
+from atma_titan.models.flavors import FLAVORS  # noqa: E402
+from atma_titan.parallel.dims import ParallelDims  # noqa: E402
+from atma_titan.parallel.parallelize import apply_fsdp  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 
 def hook_kind(event_name: str) -> str | None:
@@ -78,7 +79,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--out", help="the JSON to write (default: benchmarks/results/fsdp_hooks-<device>.json)")
+    parser.add_argument("--out", help="a results folder or a .json file")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -97,10 +98,8 @@ def main() -> None:
     for kind in kinds:
         print(f"{kind:28s}" + "".join(f"{r['hook_ms_per_block'].get(kind, 0.0):30.3f}" for r in results.values()))
     print(f"{'step wall ms (median)':28s}" + "".join(f"{r['step_ms_median']:30.1f}" for r in results.values()))
-    out = Path(args.out) if args.out else RESULTS / f"fsdp_hooks-{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "results": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    path = result_path("fsdp_hooks", args.out, None if device.type == "cuda" else "cpu")
+    write_json(path, {"args": vars(args), "torch": torch.__version__, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,32 +1,35 @@
 """Newton-Schulz work per rank under sharded Muon, from the model's shapes alone (CPU, meta device).
 
-    python benchmarks/muon_ownership.py [--config train_configs/atma_370m.toml] [--worlds 8,64]
-    python benchmarks/muon_ownership.py --batch-invariance     # on a GPU: the bits check below
+    python benchmarks/train/muon_ownership.py [--config train_configs/atma_370m.toml] [--worlds 8,64]
+    python benchmarks/train/muon_ownership.py --batch-invariance     # on a GPU: the bits check below
 
 Muon gives each block matrix one owner rank (atma_titan.optim.assign_owners); before, every rank
 orthogonalised every matrix. For each world size this prints the Newton-Schulz FLOPs per step of the
 busiest, the mean and the idlest rank next to that old every-rank total, and the elements each rank
 receives per step (the old all-gather of fp32 updates against the two bf16 all-to-alls), and saves
-benchmarks/results/muon_ownership-<size>.json. The model is built on the meta device: no weights.
+benchmarks/results/muon_ownership-cpu-<date>.json. The model is built on the meta device: no weights.
 
 --batch-invariance (GPU, one command for the lead) orthogonalises random matrices of the model's
 shapes on the device, all of one shape in one batch and then in each owner's batch at each world size,
 and records whether every matrix came out bit-equal (sharded Muon equals single-process Muon only if
-so; the ranks agree with each other either way) in benchmarks/results/muon_batch_invariance-<gpu>.json.
+so; the ranks agree with each other either way) in benchmarks/results/muon_batch_invariance-<gpu>-<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-from atma_titan.config import load_config
-from atma_titan.models import ATMA, resolve_model_args
-from atma_titan.optim import ShardExchange, assign_owners, orthogonalize_all, split_parameters
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
+
+from atma_titan.config import load_config  # noqa: E402
+from atma_titan.models import ATMA, resolve_model_args  # noqa: E402
+from atma_titan.optim import ShardExchange, assign_owners, orthogonalize_all, split_parameters  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 
 def block_matrix_shapes(config: str) -> tuple[list[tuple[int, int]], int, str]:
@@ -91,17 +94,15 @@ def main() -> None:
     parser.add_argument("--config", default="train_configs/atma_370m.toml")
     parser.add_argument("--worlds", default="8,64", help="comma-separated world sizes (ranks of one shard group)")
     parser.add_argument("--batch-invariance", action="store_true", help="run the GPU bits check instead")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     args = parser.parse_args()
     shapes, steps, flavor = block_matrix_shapes(args.config)
     worlds = [int(w) for w in args.worlds.split(",")]
-    size = flavor.removeprefix("atma_")
     print(f"{flavor}: {len(shapes)} block matrices, {len(set(shapes))} shapes, {steps} Newton-Schulz steps", flush=True)
     if args.batch_invariance:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         result = {"flavor": flavor, **batch_invariance(shapes, worlds, steps, device)}
-        tag = torch.cuda.get_device_name().split()[-1].lower() if device.type == "cuda" else "cpu"
-        path = Path(args.out) / f"muon_batch_invariance-{tag}-{size}.json"
+        path = result_path("muon_batch_invariance", args.out, None if device.type == "cuda" else "cpu")
     else:
         rows = [ownership_row(shapes, w, steps) for w in worlds]
         print(f"{'ranks':>5} {'max':>8} {'mean':>8} {'min':>8} {'before':>9} {'speedup':>8}  (GFLOP / step / rank)")
@@ -112,10 +113,8 @@ def main() -> None:
                 flush=True,
             )
         result = {"flavor": flavor, "matrices": len(shapes), "ns_steps": steps, "rows": rows}
-        path = Path(args.out) / f"muon_ownership-{size}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+        path = result_path("muon_ownership", args.out, "cpu")
+    write_json(path, result)
 
 
 if __name__ == "__main__":

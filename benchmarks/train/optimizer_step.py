@@ -1,11 +1,10 @@
 """One Muon step over a model's block matrices: this Muon (Newton-Schulz batched per shape, its element-wise
 passes as two Triton kernels on a GPU, kernels/muon_update), the same with those passes as PyTorch foreach
 ops, and torch.optim.Muon (one matrix at a time), same parameters and gradients, one run. Two more rows
-take the step as the trainer does, with the clip: as a foreach pass over the gradients before a plain
-step, and as the trainer does since session 23, its coefficient (and the NaN policy's skip flag) read
-inside Muon's kernels.
+take the step with the gradient clip: as a foreach pass over the gradients before a plain step, and as the
+trainer takes it, the clip's coefficient (and the NaN policy's skip flag) read inside Muon's kernels.
 
-    python benchmarks/optimizer_step.py [--flavor atma_370m] [--out benchmarks/results/]
+    python benchmarks/train/optimizer_step.py [--flavor atma_370m] [--out benchmarks/results/]
 
 The matrices are the ones train.py gives Muon (atma_titan.optim.split_parameters), in fp32 on the
 GPU (CPU without one) with random gradients. Times are medians of CUDA-synchronised wall times of
@@ -21,16 +20,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from atma_titan.models import ATMA
-from atma_titan.models.flavors import FLAVORS
-from atma_titan.optim import Muon, scale_grads_, split_parameters
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: atma_titan, benchmarks.common
+
+from atma_titan.models import ATMA  # noqa: E402
+from atma_titan.models.flavors import FLAVORS  # noqa: E402
+from atma_titan.optim import Muon, scale_grads_, split_parameters  # noqa: E402
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 
 def block_matrices(flavor: str) -> list[torch.Size]:
@@ -52,7 +54,7 @@ def plain_step(device: torch.device):
 
 
 def clip_then_step(device: torch.device):
-    """The clip as a pass of its own over the gradients, then a plain step (the trainer until session 23)."""
+    """The clip as a pass of its own over the gradients, then a plain step (the trainer before the kernels read it)."""
     scale = torch.tensor(0.5, device=device)  # made once: a copy from the host would wait for the sleep below
 
     def step(opt: Muon) -> None:
@@ -112,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flavor", default="atma_370m", choices=sorted(FLAVORS))
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = block_matrices(args.flavor)
@@ -132,13 +134,8 @@ def main() -> None:
         split = f"  (GPU {on_device}, host {row['host_ms']:.2f} ms)" if "host_ms" in row else ""
         speedup = rows[0]["step_ms"] / row["step_ms"]
         print(f"{name:<36} {row['step_ms']:9.2f} ms/step  {speedup:6.2f}x{split}", flush=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower() if device.type == "cuda" else "cpu"
-    path = Path(args.out) / f"optimizer_step-{gpu}-{args.flavor}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps({"flavor": args.flavor, "device": str(device), "shapes": len(shapes), "rows": rows}, indent=2)
-    )
-    print(f"wrote {path}")
+    result = {"flavor": args.flavor, "device": str(device), "shapes": len(shapes), "rows": rows}
+    write_json(result_path("optimizer_step", args.out, None if device.type == "cuda" else "cpu"), result)
 
 
 if __name__ == "__main__":

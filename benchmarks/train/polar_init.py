@@ -1,6 +1,6 @@
 """Polar's global block at init and over a short AdamW run on the repro's recall task (issue 20).
 
-Why it exists: the "polar, no memory" cell of the small-scale reproduction (README, train_configs/repro/)
+Why it exists: the "polar, no memory" cell of the small-scale reproduction (docs/results.md, train_configs/repro/)
 never learned recall. This probe found the cause: Polar's unit direction c reached the zero-initialised
 W_o sqrt(head_dim) times smaller than the memory readout (model.polar_direction = "unit"); "rms", the
 default now, feeds W_o with sqrt(head_dim) c. It measures, on a fixed probe batch of repro windows:
@@ -17,15 +17,15 @@ default now, feeds W_o with sqrt(head_dim) c. It measures, on a fixed probe batc
 One arm (the Polar scalar inits of atma_titan.models.attention.POLAR_INIT with --set, the config's
 keys after --):
 
-    python benchmarks/polar_init.py --config train_configs/repro/polar_nomemory.toml --json out.json \\
+    python benchmarks/train/polar_init.py --config train_configs/repro/polar_nomemory.toml --json out.json \\
         [--set len_gain=-6] [-- --model.polar_direction unit]
 
-The H200 table (benchmarks/results/polar_init-h200/summary.md): the seven arms of ARMS, run at once as
+The H200 table (benchmarks/results/polar_init-h200-2026-12-01/summary.md): the seven arms of ARMS, run at once as
 subprocesses on one GPU (about 2 minutes), then the summary:
 
-    python benchmarks/polar_init.py --arms all --device cuda --out benchmarks/results/polar_init-h200
+    python benchmarks/train/polar_init.py --arms all --device cuda --out benchmarks/results/polar_init-h200-<date>
 
-Results go to benchmarks/results/polar_init-<tag>/: <arm>.json and <arm>.log per arm, and summary.md
+Results go to the --out folder: <arm>.json and <arm>.log per arm (the logs are not kept), and summary.md
 (each arm runs with ATMA_TRITON_AUTOTUNE=0 unless it is set: seven processes tuning at once mis-time).
 `--summarize DIR` rewrites summary.md's table from DIR/*.json and keeps the text above its marker
 line. On CPU, a smoke test: --device cpu --steps 2 --batch 2 --every 1 --probe-batch 2.
@@ -49,8 +49,8 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository: atma_titan without an install
 
 from atma_titan.config import load_config  # noqa: E402
 from atma_titan.data import build_source  # noqa: E402
@@ -65,7 +65,7 @@ REPRO = "train_configs/repro"
 PROBE_START = 10_000_000  # the probe batch's first window: far from every training window
 MASS_AT_N = (1, 8, 32, 64, 128)
 TABLE_STEPS = (100, 300, 600, 900, 1200, 1500)
-SUMMARY_MARK = "<!-- table below: python benchmarks/polar_init.py --summarize DIR -->"
+SUMMARY_MARK = "<!-- table below: python benchmarks/train/polar_init.py --summarize DIR -->"
 # Flags a run of --arms hands on to each arm's process.
 SHARED_FLAGS = ("steps", "batch", "probe_batch", "lr", "warmup", "every", "device")
 
@@ -377,7 +377,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     mode.add_argument("--arms", help=f"'all' or a comma list of {', '.join(ARMS)}: run them at once (with --out)")
     mode.add_argument("--summarize", type=Path, metavar="DIR", help="rewrite DIR/summary.md from DIR/*.json")
     ap.add_argument("--json", type=Path, help="one arm: where its report goes")
-    ap.add_argument("--out", type=Path, help="--arms: the results folder, benchmarks/results/polar_init-<tag>")
+    ap.add_argument("--out", type=Path, help="--arms: the results folder, benchmarks/results/polar_init-<gpu>-<date>")
     ap.add_argument("--set", default="", help="Polar scalar inits, e.g. len_gain=-6,null_base=2 (POLAR_INIT's names)")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=64, help="training sequences per step")

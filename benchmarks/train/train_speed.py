@@ -1,10 +1,10 @@
 """Training throughput of one configuration under several AC / compile settings, in one run.
 
-    python benchmarks/train_speed.py --config train_configs/atma_370m.toml --steps 12 \
+    python benchmarks/train/train_speed.py --config train_configs/atma_370m.toml --steps 12 \
         --variants eager,compile,compile+selective,compile+full [--nproc 1] [-- extra overrides]
-    python benchmarks/train_speed.py --variants compile+reference,compile+triton   # the kernels' effect
-    python benchmarks/train_speed.py --variants compile+selective --baseline softmax   # vs a transformer
-    python benchmarks/train_speed.py --baseline softmax --variants \
+    python benchmarks/train/train_speed.py --variants compile+reference,compile+triton   # the kernels' effect
+    python benchmarks/train/train_speed.py --variants compile+selective --baseline softmax   # vs a transformer
+    python benchmarks/train/train_speed.py --baseline softmax --variants \
         compile+selective,compile+selective+acall,compile+noac,compile+selective+step32k,compile+selective+l4,compile+full+l4
 
 Each variant is a real `torchrun -m atma_titan.train` run (FSDP2 under torchrun, even on one GPU);
@@ -16,7 +16,8 @@ about every 6 steps, move a median of 7. With `--baseline softmax` the same trai
 first trains a same-size softmax transformer (BASELINES: softmax attention in every block, RoPE, no
 Canon, no memory; the same widths, MLP, optimizer, batch and data) under `--baseline-variant`, and
 every row gets its ratio to it.
-Results go to benchmarks/results/train_speed-<tag>.json.
+Results go to benchmarks/results/train_speed-<gpu>-<date>.json (or train_speed-<tag>.json), each run's log
+to outputs/train_speed/<time>/.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.common
+
+from benchmarks.common import result_path, write_json  # noqa: E402
 
 # A variant is a '+'-joined list of these switches, e.g. "compile+selective+triton".
 SWITCHES = {
@@ -109,8 +114,8 @@ def run_variant(name: str, args, extra: list[str], folder: Path, baseline: str |
         *(BASELINES[baseline] if baseline else []),
     ]
     label = f"{baseline}:{name}" if baseline else name
-    # The run's output goes to a log beside the results, so a failed or timed-out variant can be read
-    log_path = Path(args.out) / f"train_speed-{args.tag}-{label.replace('+', '_').replace(':', '-')}.log"
+    # The run's output goes to a log of its own, so a failed or timed-out variant can be read
+    log_path = Path(args.logs) / f"{label.replace('+', '_').replace(':', '-')}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with log_path.open("w") as log:
@@ -167,8 +172,9 @@ def main() -> None:
     parser.add_argument("--baseline-variant", default="compile", help="the switches the baseline trains with")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--tag", default=time.strftime("%Y%m%d-%H%M%S"))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--tag", help="name the file train_speed-<tag>.json instead")
+    parser.add_argument("--out", default=None, help="a results folder or a .json file (default benchmarks/results/)")
+    parser.add_argument("--logs", default=f"outputs/train_speed/{time.strftime('%Y%m%d-%H%M%S')}", help="runs' logs")
     args, extra = parser.parse_known_args()
     for name in [*args.variants.split(","), args.baseline_variant]:
         variant_args(name)  # fail before the first run
@@ -185,16 +191,8 @@ def main() -> None:
             results.append(result)
             print(json.dumps(result), flush=True)
     print_table(results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"train_speed-{args.tag}.json"
-    path.write_text(
-        json.dumps(
-            {"config": args.config, "extra": extra, "nproc": args.nproc, "baseline": args.baseline, "results": results},
-            indent=2,
-        )
-    )
-    print(f"\nwrote {path}")
+    result = {"config": args.config, "extra": extra, "nproc": args.nproc, "baseline": args.baseline, "results": results}
+    write_json(result_path("train_speed", args.out, tag=args.tag), result)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Every Triton kernel the 370M model launches has a config that fits an A100, an L4 and an H100/H200.
 
 Compiled ahead of time on the CPU (atma_titan.kernels.resources), at the model's shapes as
-benchmarks/kernel_resources.py records them from the real launchers; the full table is that script's
+benchmarks/kernels/kernel_resources.py records them from the real launchers; the full table is that script's
 JSON. Only what a claim needs is compiled: per kernel and target the configs in order up to the
 first that fits (usually the first alone), and Triton caches the compiles on disk.
 """
@@ -60,9 +60,9 @@ def compiler():
 
 @functools.lru_cache(maxsize=None)
 def _bench():
-    # imported by name from benchmarks/ (on sys.path from here on), so that its spawned compile workers
+    # imported by name from benchmarks/kernels/ (on sys.path from here on), so that its spawned compile workers
     # find it too
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
     import kernel_resources
 
     return kernel_resources
@@ -95,8 +95,9 @@ def test_every_kernel_has_a_config_that_fits_each_target(compiler):
     an H200. The first configs are compiled in two processes (cold: ~30 compiles of 1-5 s; Triton's disk
     cache makes a rerun take seconds); later ones only where a first one does not fit."""
     bench, cases = _bench(), _cases()
-    # sm_80 is left to benchmarks/kernel_resources.py: Triton compiles it through the same Ampere path
-    # as sm_89 (the same shared memory per config: benchmarks/results/kernel_resources.json), with a larger limit.
+    # sm_80 is left to benchmarks/kernels/kernel_resources.py: Triton compiles it through the same Ampere path
+    # as sm_89 (the same shared memory per config: benchmarks/results/kernel_resources-sm80_89_90-2026-12-04.json),
+    # with a larger limit.
     targets = [arch for arch in TARGETS if arch != 80]
     work = [(c, 0, arch) for c in range(len(cases)) for arch in targets]
     found = bench.measure(cases, work, "atma_370m", 2048, jobs=min(2, os.cpu_count() or 1), progress=False)

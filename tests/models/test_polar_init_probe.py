@@ -1,6 +1,6 @@
-"""benchmarks/polar_init.py: the Polar init probe runs on CPU, its arms' commands, and its summary table.
+"""benchmarks/train/polar_init.py: the Polar init probe runs on CPU, its arms' commands, and its summary table.
 
-The probe's full runs need a GPU (benchmarks/results/polar_init-h200/); here a few CPU steps check
+The probe's full runs need a GPU (benchmarks/results/polar_init-h200-2026-12-01/); here a few CPU steps check
 the report's shape and the init measurement behind the fix (a unit c reaches W_o ~8x below the memory
 readout), and the summary is checked on hand-written reports.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "train"))
 
 import polar_init  # noqa: E402
 

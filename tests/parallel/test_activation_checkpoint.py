@@ -1,6 +1,6 @@
 """Activation checkpointing: every policy gives today's gradients, and selective AC keeps what it says.
 
-The policies' memory and repeated work are measured on fake tensors by benchmarks/activation_memory.py
+The policies' memory and repeated work are measured on fake tensors by benchmarks/train/activation_memory.py
 (the Triton kernels' ops, run here under TRITON_INTERPRET=1 in a subprocess: it must be set before triton
 is imported); the assertions are on its JSON.
 """
@@ -79,7 +79,7 @@ def test_selective_keeps_the_kernels_and_trades_matmuls_for_memory(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "activation_memory.py"),
+        str(ROOT / "benchmarks" / "train" / "activation_memory.py"),
         "--config",
         "train_configs/debug_model.toml",
     ]

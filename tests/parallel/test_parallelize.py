@@ -75,7 +75,7 @@ def test_a_block_keeps_its_gathered_parameters_after_forward_unless_resharded(
 
 def test_the_hook_benchmark_reports_both_settings(tmp_path):
     out = tmp_path / "hooks.json"
-    bench = [sys.executable, str(ROOT / "benchmarks" / "fsdp_hooks.py"), "--layers", "2", "--steps", "1"]
+    bench = [sys.executable, str(ROOT / "benchmarks" / "train" / "fsdp_hooks.py"), "--layers", "2", "--steps", "1"]
     proc = subprocess.run([*bench, "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]

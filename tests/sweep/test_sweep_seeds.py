@@ -316,7 +316,7 @@ def test_builtin_table_is_the_measured_h200_and_scaled_h100_l4():
     assert by_kind["H200"].measured and by_kind["H200"].tokens_per_s == h200
     assert not by_kind["H100"].measured and by_kind["H100"].tokens_per_s == pytest.approx(h200)  # 989 / 989
     assert not by_kind["L4"].measured and by_kind["L4"].tokens_per_s == pytest.approx(h200 * 121 / 989)
-    assert "train_speed-h200-370m-s22.json" in by_kind["H200"].basis
+    assert "train_speed-h200-2026-12-03.json" in by_kind["H200"].basis
     assert table.reference_label == "atma_370m at 2,048 tokens" and 1.9e9 < table.reference_flops < 2.2e9
 
 

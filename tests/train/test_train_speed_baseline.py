@@ -1,4 +1,4 @@
-"""benchmarks/train_speed.py --baseline softmax: a same-size softmax transformer through the same trainer."""
+"""benchmarks/train/train_speed.py --baseline softmax: a same-size softmax transformer through the same trainer."""
 
 import importlib.util
 import json
@@ -14,7 +14,7 @@ from distributed_utils import ROOT
 
 
 def train_speed():
-    spec = importlib.util.spec_from_file_location("train_speed", ROOT / "benchmarks" / "train_speed.py")
+    spec = importlib.util.spec_from_file_location("train_speed", ROOT / "benchmarks" / "train" / "train_speed.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -99,7 +99,7 @@ def test_a_smaller_batch_runs_more_steps_over_the_same_tokens(tmp_path, monkeypa
         return types.SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    args = types.SimpleNamespace(config=config, steps=10, warmup=3, nproc=1, timeout=60, out=str(tmp_path), tag="t")
+    args = types.SimpleNamespace(config=config, steps=10, warmup=3, nproc=1, timeout=60, logs=str(tmp_path))
     one = bench.run_variant("compile+selective+step32k", args, [], tmp_path / "a")
     assert (one["steps"], one["timed_steps"], one["tokens_per_second"]) == (160, 112, statistics.median(range(49, 161)))
     recipe = bench.run_variant("compile+selective", args, [], tmp_path / "b")

@@ -22,11 +22,11 @@ from atma_titan.kernels.gated_delta.triton_chunked import _contiguous, _normaliz
 
 # Rows of M per program and warps. Memory-bound: each program streams ROWS x Dk fp32 once in and once
 # out (16-byte vector loads / stores). At B64 H8 128x128, 32 rows give B*H*Dv/32 = 2048 programs of
-# 16 KiB in + 16 KiB out. Compiled for sm_90 (benchmarks/gated_delta.py --resources): 32 rows x 8
+# 16 KiB in + 16 KiB out. Compiled for sm_90 (benchmarks/kernels/gated_delta.py --resources): 32 rows x 8
 # warps take 48 registers a thread, so 8 blocks (2048 threads) stay resident per SM: 128 KiB of
 # loads in flight per SM and about 2 waves over the H200's 132 SMs. 32 x 4 warps take 128 registers
 # (4 blocks, 64 KiB in flight); 16 x 4 matches 32 x 8 in flight but repeats the q / k normalisation
-# on twice the programs; 64 x 8 takes 80 registers (3 blocks, 96 KiB). `benchmarks/gated_delta.py
+# on twice the programs; 64 x 8 takes 80 registers (3 blocks, 96 KiB). `benchmarks/kernels/gated_delta.py
 # --step-sweep` times them in a CUDA graph; both are read at launch, so a caller may retune them.
 ROWS_PER_PROGRAM = 32
 NUM_WARPS = 8

@@ -7,7 +7,7 @@ gradient) and the column sums of [da, dg] for its row group (the up-projection's
 the caller: deterministic, no atomics). A memory-bound pass: 3 reads and 3 writes per hidden unit and
 token in bf16, where autograd's compiled backward read [a, g] twice (once to recompute h, once to
 differentiate) and reduced the bias gradient in a kernel of its own layout. No shared memory beyond the
-column sums, so the one fixed config fits every GPU (benchmarks/kernel_resources.py lists it).
+column sums, so the one fixed config fits every GPU (benchmarks/kernels/kernel_resources.py lists it).
 Importing this module imports triton.
 """
 
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 # Tiles of 32 rows x 128 columns, 8 warps, 2,048 rows a program: on the H200 at 32,768 x 4,096 the fastest
-# config benchmarks/mlp_backward.py tried in its first run (0.46 ms) and within 0.5% of the fastest in its
+# config benchmarks/kernels/fused_backward.py tried in its first run (0.46 ms) and within 0.5% of the fastest in its
 # second (0.49 ms, beside 1,024 rows); every config tried took 0.46-0.55 ms (3.9-4.7 TB/s).
 BLOCK_M, BLOCK_N, NUM_WARPS = 32, 128, 8
 ROWS_PER_PROGRAM = 2048

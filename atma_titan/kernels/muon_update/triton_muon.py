@@ -14,7 +14,7 @@ transposed slot of a Newton-Schulz batch.
 Both read the step's skip flag from the device (when given) and then keep buffer and parameter as they
 were: they select, so a NaN gradient cannot leak into a skipped step. The lerps are written as torch.lerp
 computes them (weight < 0.5: a + w (b - a); else b - (b - a)(1 - w)). The kernels use no shared memory,
-so every GPU fits them (benchmarks/kernel_resources.py). Importing this module imports triton.
+so every GPU fits them (benchmarks/kernels/kernel_resources.py). Importing this module imports triton.
 """
 
 from __future__ import annotations

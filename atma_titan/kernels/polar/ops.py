@@ -14,7 +14,7 @@ TRITON_INTERPRET=1):
 Why custom_op and not triton_op: on CPU Inductor tries to build a triton_op's kernels (no driver); on the
 H200 (torch 2.11, Triton 3.6) Inductor failed to compile these kernels from a triton_op (a CompilationError
 at the first helper call), while the compiled custom op matches the eager kernels forward+backward within
-3% from 2K to 64K (`benchmarks/polar_attention.py --backends compiled,polar_triton`): for kernels of
+3% from 2K to 64K (`benchmarks/kernels/polar_attention.py --backends compiled,polar_triton`): for kernels of
 milliseconds an opaque op costs nothing measurable.
 
 Triton (triton_attention.py) is imported on the first kernel call only, so importing this module

@@ -55,7 +55,7 @@ NORM_EPS = tl.constexpr(1e-6)
 # has 99 KiB per block, sm_80 163 KiB, sm_90 227 KiB). For sm_90 (Triton 3.6)
 # the kernel with 64-row bf16 tiles takes ~39 KB of shared memory and 108 registers (pages < tile) or 112
 # (pages >= tile), the merge's fold included; 128-row tiles and 3 stages were no faster once the split count
-# fills one wave (docs/kernels.md). benchmarks/kernel_resources.py compiles both for sm_80 / 89 / 90.
+# fills one wave (docs/kernels.md). benchmarks/kernels/kernel_resources.py compiles both for sm_80 / 89 / 90.
 CUDA_CONFIGS = [(64, 4, 2), (32, 4, 2)]
 # the interpreter: 32-row tiles, so the tests' pages of 16 are smaller than a tile and pages of 64 larger
 INTERPRET_CONFIG = (32, 1, 1)
@@ -69,7 +69,7 @@ MIN_SPLIT_KEYS = 256
 # ~1 us faster at 1 x 64K than 2048 and stays within 128 registers (4 programs per SM). Launches of at least
 # LONG_MERGE_SPLITS splits, where the merge is a large part of a short launch, fold a whole bucket per step
 # (LONG_MERGE_TILE_ELEMS) with registers capped at LONG_MERGE_REGISTERS so 4 programs still fit an SM (the
-# cold fold spills a little): +2-4% at 1 x 64K; 1-2% slower at batch >= 32 (A/B in docs/kernels.md)
+# cold fold spills a little): +2-4% at 1 x 64K; 1-2% slower at batch >= 32 (docs/kernels.md section 2.5)
 MERGE_BUCKET = 16
 MERGE_TILE_ELEMS = 4096
 LONG_MERGE_SPLITS = 64

@@ -8,7 +8,7 @@ column sums of [db, dc, dx] (in_proj's bias gradient) and dw (the convolution's 
 by the caller: deterministic, no atomics. A memory-bound pass: 4 reads and 4 writes per channel and token,
 where autograd's compiled backward took several passes over z. Rows are tokens of sequences of T: a
 row's position in its sequence (row mod T) bounds both shifts, so sequences never mix. No shared memory
-beyond the reductions, so the one fixed config fits every GPU (benchmarks/kernel_resources.py lists it).
+beyond the reductions, so the one fixed config fits every GPU (benchmarks/kernels/kernel_resources.py lists it).
 Importing this module imports triton.
 """
 
@@ -22,7 +22,7 @@ from atma_titan.kernels.short_conv.ops import MAX_KERNEL
 
 # Tiles of 16 rows x 64 channels, 4 warps, 2,048 rows a program: on the H200 at 16 x 2,048 tokens x 1,024
 # channels the fastest of 16 configs in a first sweep (0.29 ms, the launcher's allocations and sums included)
-# and within 4% of the fastest in benchmarks/conv_backward.py's run (0.28 ms; 16 x 128, 8 warps: 0.27).
+# and within 4% of the fastest in benchmarks/kernels/fused_backward.py's run (0.28 ms; 16 x 128, 8 warps: 0.27).
 # A thread holds 8 elements of a tile in each of 6 fp32 accumulators and ~10 live tiles: 222 registers on
 # sm_90, no spills; a first version's tiles of 16 elements a thread spilled and took twice as long.
 BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4

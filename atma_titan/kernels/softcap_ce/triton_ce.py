@@ -14,7 +14,7 @@ the logits and passes over it several times (on the H200 its element-wise work t
 chunk, these two kernels 0.51 ms). Targets must be < V: the trainer checks every token id before step 1
 (data/token_range.py); a larger one is masked out of the loads, never read past its row. Configs are
 fixed, not tuned: the kernels use no shared
-memory beyond their reductions, so every config fits any GPU (benchmarks/kernel_resources.py lists
+memory beyond their reductions, so every config fits any GPU (benchmarks/kernels/kernel_resources.py lists
 them), and the gradient kernel writes in place, which an autotuner's repeated trial launches would
 corrupt. Importing this module imports triton.
 """
