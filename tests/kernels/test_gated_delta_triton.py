@@ -1,7 +1,7 @@
 """Gated delta Triton kernels: interpreter cases (in a subprocess), CPU fallbacks, and GPU checks.
 
-The interpreter cases live in gated_delta_triton_cases.py and run in a fresh interpreter with
-TRITON_INTERPRET=1, because the variable must be set before triton is first imported and other
+The interpreter cases live in interpreter/gated_delta_triton_cases.py and run in a fresh interpreter
+with TRITON_INTERPRET=1, because the variable must be set before triton is first imported and other
 test modules of this process may already have imported it. The GPU tests (bf16 against float64
 references, the decode step and its CUDA-graph replay) run here and skip without CUDA:
     python -m pytest -q -p no:cacheprovider tests/kernels/test_gated_delta_triton.py -m gpu

@@ -243,7 +243,7 @@ def test_decode_falls_back_to_a_tile_within_the_limit(monkeypatch):
     """With the device's limit just below the first tile's compiled shared memory, the decode launch takes
     the next tile (the sizes depend on the GPU and the dtype, so the limit is set from the first launch)."""
     import torch
-    from polar_decode_cases import make_paged
+    from paged_decode_inputs import make_paged
 
     from atma_titan.kernels import resources
     from atma_titan.kernels.polar import polar_decode_reference, polar_decode_triton

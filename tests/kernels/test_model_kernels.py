@@ -1,7 +1,7 @@
 """Kernel selection in the model: `model.attention_impl` and `model.memory_impl`.
 
-tests/kernels/model_kernels_cases.py runs the model with the Triton kernels under TRITON_INTERPRET=1 in a
-subprocess and compares it with the references; the rest checks how `auto` / `triton` resolve.
+tests/kernels/interpreter/model_kernels_cases.py runs the model with the Triton kernels under TRITON_INTERPRET=1
+in a subprocess and compares it with the references; the rest checks how `auto` / `triton` resolve.
 """
 
 from __future__ import annotations

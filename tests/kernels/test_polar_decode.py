@@ -1,7 +1,7 @@
 """Paged Polar decode: the PyTorch reference (in process), the Triton kernel (interpreter subprocess, GPU).
 
-CPU: tests/kernels/polar_decode_cases.py runs in a subprocess with TRITON_INTERPRET=1 (it must be set before
-triton is imported, and another test module of this process may already have imported it).
+CPU: tests/kernels/interpreter/polar_decode_cases.py runs in a subprocess with TRITON_INTERPRET=1 (it must be
+set before triton is imported, and another test module of this process may already have imported it).
 GPU (skipped without CUDA): bf16 at 8 query / 2 KV heads, D 128, against the float64 reference, split and
 unsplit (one- and two-level merges), pages of 16 and 256; CUDA-graph capture and replay after the block
 table and lengths change.
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from helpers import run_interpreter_cases
-from polar_decode_cases import dense_last_rows, make_paged, rounded
+from paged_decode_inputs import dense_last_rows, make_paged, rounded
 
 from atma_titan.kernels.paged import write_pages
 from atma_titan.kernels.polar import polar_decode, polar_decode_reference, polar_decode_triton

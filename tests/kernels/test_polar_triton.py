@@ -1,7 +1,7 @@
 """Fused Polar attention Triton kernel.
 
-CPU: tests/kernels/polar_triton_cases.py runs in a subprocess with TRITON_INTERPRET=1 (it must be set before
-triton is imported, and another test module of this process may already have imported it).
+CPU: tests/kernels/interpreter/polar_triton_cases.py runs in a subprocess with TRITON_INTERPRET=1 (it must be
+set before triton is imported, and another test module of this process may already have imported it).
 GPU (skipped without CUDA): bf16 at realistic shapes against the float64 naive form, and memory at 64K.
 """
 

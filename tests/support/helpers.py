@@ -2,11 +2,12 @@
 with known outputs, and the small training jobs the trainer and eval tests run.
 
 Polar attention: `make_inputs`, `random_cotangents`, `grads_of` (tests/kernels/test_polar_reference.py,
-tests/kernels/polar_triton_cases.py, tests/kernels/test_polar_triton.py). Gated delta rule: `random_inputs`, `cast`,
-`random_step`, `exact_step`, `compare_to_float64`, `assert_relative_close` (tests/kernels/test_gated_delta_reference.py,
-tests/kernels/gated_delta_triton_cases.py, tests/kernels/test_gated_delta_triton.py). Evaluation: `HandModel`,
-`Induction` (tests/eval/test_eval.py, tests/eval/test_eval_records.py). Training: `SMALL`, `EVAL_TRAIN`.
-Triton's CPU interpreter: `run_interpreter_cases` (the four kernel test modules).
+tests/kernels/interpreter/polar_triton_cases.py, tests/kernels/test_polar_triton.py). Gated delta rule:
+`random_inputs`, `cast`, `random_step`, `exact_step`, `compare_to_float64`, `assert_relative_close`
+(tests/kernels/test_gated_delta_reference.py, tests/kernels/interpreter/gated_delta_triton_cases.py,
+tests/kernels/test_gated_delta_triton.py). Evaluation: `HandModel`, `Induction` (tests/eval/test_eval.py,
+tests/eval/test_eval_records.py). Training: `SMALL`, `EVAL_TRAIN`.
+Triton's CPU interpreter: `run_interpreter_cases` (the kernel test modules).
 """
 
 import os
@@ -282,12 +283,13 @@ def perturbed_debug_model(device=torch.device("cpu"), seed: int = 1, **overrides
 
 
 def run_interpreter_cases(cases: str, timeout: int = 600) -> None:
-    """Run tests/kernels/`cases` in a fresh pytest with TRITON_INTERPRET=1: the variable must be set before
-    triton is first imported, and another test module of this process may already have imported it.
-    Every case must pass (none skipped). One thread, one process (`-n 0`): pyproject's xdist workers
-    already fill the cores."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", f"tests/kernels/{cases}"]
+    """Run tests/kernels/interpreter/`cases` in a fresh pytest with TRITON_INTERPRET=1: the variable must be
+    set before triton is first imported, and another test module of this process may already have imported
+    it (the folder's conftest.py checks that, and hides the GPU and takes one thread). Every case must pass
+    (none skipped). One process (`-n 0`): pyproject's xdist workers already fill the cores."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    path = f"tests/kernels/interpreter/{cases}"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", path]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]  # "N passed[, M skipped] in S s"

@@ -56,7 +56,7 @@ INVERSE_LEVELS = tl.constexpr(2)
 MIN_DOT_BLOCK = 16 if INTERPRET else 64
 
 # Dv blocks (BV) of the autotuned kernels. GPU lists are all >= MIN_DOT_BLOCK on the GPU (checked by
-# tests/kernels/gated_delta_triton_cases.py, which also runs the kernels under the interpreter with them).
+# tests/kernels/interpreter/gated_delta_triton_cases.py, which also runs the kernels under the interpreter with them).
 GPU_BLOCK_VALUES = {"sequential": [64], "parallel": [64, 128], "grad": [64]}
 INTERPRETER_BLOCK_VALUES = {"sequential": [16, 32, 64], "parallel": [16, 64], "grad": [16, 32]}
 

@@ -1,17 +1,13 @@
 """Muon's element-wise Triton kernels under the Triton interpreter (CPU), against float64 and the reference.
 
-Not collected on its own (the name does not start with test_): test_muon_update.py runs it in a subprocess
-with TRITON_INTERPRET=1, set before triton is imported. Alone:
-    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/muon_update_cases.py
-The kernels reach their matrices through pointer tables, which the interpreter bounds check of
-gated_delta_triton_cases.py cannot follow: every tensor lies instead inside a larger one filled with a
-sentinel that no write may touch. The block is shrunk to 64 elements so that matrices take several
-programs and a ragged last one; the update views are a transposed slot, a padded slot and a plain tensor.
+Run by test_muon_update.py (alone: see this folder's conftest.py). The kernels reach their matrices
+through pointer tables, which the bounds check of tests/support/interpreter_bounds.py cannot follow: every
+tensor lies instead inside a larger one filled with a sentinel that no write may touch. The block is shrunk
+to 64 elements so that matrices take several programs and a ragged last one; the update views are a
+transposed slot, a padded slot and a plain tensor.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -21,10 +17,8 @@ from atma_titan.kernels.muon_update import (
     apply_updates_reference_,
     stage_momentum_,
     stage_momentum_reference_,
+    triton_muon,
 )
-
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_muon_update.py (sets TRITON_INTERPRET=1)"
-from atma_titan.kernels.muon_update import triton_muon  # noqa: E402  (after the check: it imports triton)
 
 SHAPES = [(3, 50), (20, 7), (9, 9)]  # 150, 140 and 81 elements: 3, 3 and 2 blocks of 64
 SENTINEL = 7.0

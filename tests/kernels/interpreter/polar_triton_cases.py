@@ -1,16 +1,12 @@
 """Fused Polar attention Triton kernel under the Triton interpreter (CPU), against float64 ground truth.
 
-Not collected by the suite on its own (the name does not start with test_): test_polar_triton.py runs
-this file in a subprocess with TRITON_INTERPRET=1, which has to be set before triton is imported. Alone:
-    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/polar_triton_cases.py
-The interpreter uses 16 x 16 tiles, so T = 40..70 covers several key and query tiles, ragged tails,
-fully visible tiles (no mask) and, with a window, tiles skipped before it. Every check compares to
-`polar_attention_naive` in float64, never to the kernel itself.
+Run by test_polar_triton.py (alone: see this folder's conftest.py). The interpreter uses 16 x 16 tiles, so
+T = 40..70 covers several key and query tiles, ragged tails, fully visible tiles (no mask) and, with a window,
+tiles skipped before it. Every check compares to `polar_attention_naive` in float64, never to the kernel
+itself.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -19,10 +15,6 @@ from helpers import PARAM_NAMES, grads_of, make_inputs, random_cotangents
 from atma_titan.kernels import backends
 from atma_titan.kernels.polar import polar_attention_triton
 from atma_titan.kernels.polar.reference import polar_attention_naive
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 set before triton is imported"
-)
 
 # (B, Tq, Tk, H, Hkv, D, window)
 CASES = {

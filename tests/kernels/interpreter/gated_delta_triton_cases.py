@@ -1,15 +1,12 @@
 """Gated delta Triton kernels under the Triton interpreter (CPU), against float64 references.
 
-Not collected by the suite on its own (the name does not start with test_): test_gated_delta_triton.py
-runs this file in a subprocess with TRITON_INTERPRET=1, which has to be set before triton is
-imported. Run it alone with
-    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/gated_delta_triton_cases.py
-Shapes are tiny (the interpreter runs every program in Python); Dv = 32 with the interpreter's
-Dv block of 16 covers several Dv blocks, T = 70 and 130 cover ragged tail chunks.
+Run by test_gated_delta_triton.py (alone: see this folder's conftest.py). Shapes are tiny (the interpreter
+runs every program in Python); Dv = 32 with the interpreter's Dv block of 16 covers several Dv blocks, T = 70
+and 130 cover ragged tail chunks.
 
-Every kernel launched here runs under a bounds check (the interpreter itself reads and writes host
-memory unchecked): each masked-in address of every tl.load / tl.store must lie inside one of the
-launch's tensor arguments. The GPU's own block sizes (BV from triton_chunked.GPU_BLOCK_VALUES, BK and
+Every kernel launched here runs under tests/support/interpreter_bounds.py (the interpreter itself reads and
+writes host memory unchecked): each masked-in address of every tl.load / tl.store must lie inside one of
+the launch's tensor arguments. The GPU's own block sizes (BV from triton_chunked.GPU_BLOCK_VALUES, BK and
 the prepare kernel's Dv block padded to triton_chunked.MIN_DOT_BLOCK = 64) are run too, at Dk != Dv,
 Dv < BV and BV not dividing Dv, which the interpreter's default first config (BV = 16) never reaches.
 """
@@ -17,10 +14,8 @@ Dv < BV and BV not dividing Dv, which the interpreter's default first config (BV
 from __future__ import annotations
 
 import contextlib
-import os
 from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,77 +29,14 @@ from helpers import (
     random_inputs,
     random_step,
 )
+from interpreter_bounds import interpreter_bounds_check
 
 from atma_titan.kernels.gated_delta import gated_delta_chunked_triton, gated_delta_step_
 from atma_titan.kernels.gated_delta.reference import gated_delta_step_inplace
 
-interpreter_only = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 set before triton is imported"
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# Bounds check for the interpreter
-
-
-@contextlib.contextmanager
-def interpreter_bounds_check():
-    """Fail any interpreted tl.load / tl.store whose masked-in addresses leave the launch's tensor arguments."""
-    import triton.runtime.interpreter as interpreter
-
-    extents = []
-    builder = interpreter.interpreter_builder
-    init_args, load, store = (
-        interpreter.GridExecutor._init_args_hst,
-        builder.create_masked_load,
-        builder.create_masked_store,
-    )
-
-    def record_extents(self, args_dev, kwargs):
-        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
-        extents.clear()
-        for arg in [*args_hst, *kwargs_hst.values()]:
-            arg = getattr(arg, "base", arg)  # TensorWrapper
-            if isinstance(arg, torch.Tensor):
-                assert arg.is_contiguous(), "the bounds check assumes contiguous tensor arguments"
-                extents.append((arg.data_ptr(), arg.data_ptr() + arg.numel() * arg.element_size()))
-        return args_hst, kwargs_hst
-
-    def check(ptrs, mask, what):
-        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape).astype(bool)]
-        if addresses.size == 0:
-            return
-        itemsize = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
-        inside = np.zeros(addresses.shape, dtype=bool)
-        for start, end in extents:
-            inside |= (addresses >= start) & (addresses + itemsize <= end)
-        if not inside.all():
-            raise AssertionError(
-                f"out-of-bounds {what} of {int((~inside).sum())} elements in program {builder.grid_idx}"
-            )
-
-    def checked_load(ptrs, mask, other, *args):
-        check(ptrs, mask, "tl.load")
-        return load(ptrs, mask, other, *args)
-
-    def checked_store(ptrs, value, mask, *args):
-        check(ptrs, mask, "tl.store")
-        return store(ptrs, value, mask, *args)
-
-    interpreter.GridExecutor._init_args_hst = record_extents
-    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store
-    try:
-        yield
-    finally:
-        interpreter.GridExecutor._init_args_hst = init_args
-        builder.create_masked_load, builder.create_masked_store = load, store
-
 
 @pytest.fixture(autouse=True)
 def _bounds_checked():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
     with interpreter_bounds_check():
         yield
 
@@ -122,7 +54,6 @@ CHUNKED_CASES = [
 ]
 
 
-@interpreter_only
 @pytest.mark.parametrize("seq_len,key_dim,value_dim,dtype,with_initial_state", CHUNKED_CASES)
 def test_chunked_kernel_matches_float64_recurrence(seq_len, key_dim, value_dim, dtype, with_initial_state):
     inputs = random_inputs(1, seq_len, 2, key_dim, value_dim, with_initial_state=with_initial_state, seed=seq_len)
@@ -130,7 +61,6 @@ def test_chunked_kernel_matches_float64_recurrence(seq_len, key_dim, value_dim, 
     compare_to_float64(gated_delta_chunked_triton, inputs, dtype, tol)
 
 
-@interpreter_only
 def test_chunked_kernel_without_normalisation():
     inputs = random_inputs(1, 70, 2, 16, 16, seed=4)
     inputs["q"] = 0.3 * inputs["q"]
@@ -143,7 +73,6 @@ def test_chunked_kernel_without_normalisation():
     assert (r_plain - r_normalised).abs().max() > 1e-2
 
 
-@interpreter_only
 def test_chunked_kernel_extreme_gates_stay_finite():
     """gamma down to e^-30 (decays underflow inside a chunk), beta near 0 and 1, tiny keys (norm < eps)."""
     inputs = random_inputs(1, 70, 2, 16, 16, seed=5)
@@ -154,7 +83,6 @@ def test_chunked_kernel_extreme_gates_stay_finite():
     compare_to_float64(gated_delta_chunked_triton, inputs, torch.float32, 1e-4)
 
 
-@interpreter_only
 def test_chunked_kernel_on_empty_sequence_returns_initial_state():
     inputs = cast(random_inputs(1, 0, 2, 16, 16), torch.float32)
     r, state = gated_delta_chunked_triton(**inputs)
@@ -183,9 +111,8 @@ def _chunked_module():
     return triton_chunked
 
 
-@interpreter_only
 def test_bounds_check_catches_an_out_of_bounds_access():
-    """The check above is live: a load one element past a tensor fails, the same load masked passes."""
+    """The bounds check is live: a load one element past a tensor fails, the same load masked passes."""
     import triton
     import triton.language as tl
 
@@ -209,8 +136,7 @@ GPU_BLOCK_CASES = [
 ]
 
 
-@interpreter_only
-@pytest.mark.parametrize("blocks", _gpu_block_choices() if os.environ.get("TRITON_INTERPRET") == "1" else [None])
+@pytest.mark.parametrize("blocks", _gpu_block_choices())
 @pytest.mark.parametrize("seq_len,key_dim,value_dim,dtype,with_initial_state", GPU_BLOCK_CASES)
 def test_chunked_kernel_with_gpu_blocks(monkeypatch, blocks, seq_len, key_dim, value_dim, dtype, with_initial_state):
     import triton
@@ -239,8 +165,6 @@ def test_chunked_kernel_with_gpu_blocks(monkeypatch, blocks, seq_len, key_dim, v
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["triton", "pytorch"])
 def test_step_updates_only_addressed_slots_in_place(use_kernel):
-    if use_kernel and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1")
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(6, 2, 48, 24, generator=gen)  # Dv 48 = 2 row blocks of 32 (one partial); Dk 24 masked
     before = pool.clone()
@@ -258,7 +182,6 @@ def test_step_updates_only_addressed_slots_in_place(use_kernel):
     assert torch.equal(pool[untouched], before[untouched])
 
 
-@interpreter_only
 def test_prefill_then_decode_equals_one_chunked_pass():
     """Chunked kernel over 70 tokens, then 5 decode steps on a pool == one chunked pass over 75."""
     total, prefill = 75, 70
@@ -283,7 +206,6 @@ def test_prefill_then_decode_equals_one_chunked_pass():
 # torch.library registration
 
 
-@interpreter_only
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["init", "zeros"])
 def test_chunked_op_passes_opcheck(with_initial_state):
     inputs = cast(random_inputs(1, 20, 1, 16, 16, with_initial_state=with_initial_state, seed=2), torch.float32)
@@ -294,7 +216,6 @@ def test_chunked_op_passes_opcheck(with_initial_state):
     torch.library.opcheck(torch.ops.atma.gated_delta_chunk_fwd, (*args, True, True))
 
 
-@interpreter_only
 def test_backward_reuses_the_forward_workspaces():
     """A forward with gradients keeps its workspaces; the backward runs neither of the forward's
     workspace kernels again. Without gradients the workspaces come back empty."""
@@ -341,7 +262,6 @@ def test_step_op_passes_opcheck():
     )
 
 
-@interpreter_only
 def test_compiles_with_fullgraph_and_backward_on_cpu():
     inputs = cast(random_inputs(1, 20, 1, 16, 16, seed=6), torch.float32)
     for x in inputs.values():

@@ -1,25 +1,18 @@
 """The GLU backward Triton kernel under the Triton interpreter (CPU), against float64 references.
 
-Not collected on its own (the name does not start with test_): test_glu.py runs it in a subprocess with
-TRITON_INTERPRET=1, set before triton is imported. Alone:
-    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/glu_cases.py
-Every launch runs under the interpreter bounds check of gated_delta_triton_cases.py. Tiles shrink to 8 x 16
+Run by test_glu.py (alone: see this folder's conftest.py). Every launch runs under the bounds check of
+tests/support/interpreter_bounds.py. Tiles shrink to 8 x 16
 and row groups to 16 rows, so M = 37 and N = 40 take 3 x 3 programs of several tiles, ragged both ways.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from gated_delta_triton_cases import interpreter_bounds_check
+from interpreter_bounds import interpreter_bounds_check
 
-from atma_titan.kernels.glu import glu, glu_backward, glu_backward_reference
+from atma_titan.kernels.glu import glu, glu_backward, glu_backward_reference, triton_glu
 from atma_titan.models.layers import MLP
-
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_glu.py (sets TRITON_INTERPRET=1)"
-from atma_titan.kernels.glu import triton_glu  # noqa: E402  (after the check: it imports triton)
 
 
 @pytest.fixture(autouse=True)

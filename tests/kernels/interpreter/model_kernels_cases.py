@@ -1,21 +1,18 @@
 """The model with `attention_impl` / `memory_impl = triton` against the PyTorch references.
 
-Run by tests/kernels/test_model_kernels.py in a subprocess with TRITON_INTERPRET=1 (set before triton is
-imported). Tiny shapes: the interpreter executes every Triton program in Python.
+Run by test_model_kernels.py (alone: see this folder's conftest.py). Tiny shapes: the interpreter executes
+every Triton program in Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 from atma_titan.models import ATMA
 from atma_titan.models.flavors import FLAVORS
-
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/test_model_kernels.py"
 
 TINY = dataclasses.replace(
     FLAVORS["debug"], vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=64, n_layers=2

@@ -1,31 +1,25 @@
 """The soft-capped cross-entropy Triton kernels under the Triton interpreter (CPU), against float64 references.
 
-Not collected on its own (the name does not start with test_): test_softcap_ce.py runs it in a subprocess
-with TRITON_INTERPRET=1, set before triton is imported. Alone:
-    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/softcap_ce_cases.py
-Every launch runs under the interpreter bounds check of gated_delta_triton_cases.py. The row kernel's step
+Run by test_softcap_ce.py (alone: see this folder's conftest.py). Every launch runs under the bounds check
+of tests/support/interpreter_bounds.py. The row kernel's step
 is shrunk to 64 logits so that rows take several steps and a ragged last one; the gradient kernel's 128
 columns and a 16-row group split V = 300 and M = 37 into 3 x 3 programs, both ragged.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from gated_delta_triton_cases import interpreter_bounds_check
+from interpreter_bounds import interpreter_bounds_check
 
 from atma_titan.kernels.softcap_ce import (
     softcap_ce_backward_,
     softcap_ce_backward_reference,
     softcap_ce_forward,
     softcap_ce_forward_reference,
+    triton_ce,
 )
 from atma_titan.models.loss import linear_softcap_cross_entropy
-
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_softcap_ce.py (sets TRITON_INTERPRET=1)"
-from atma_titan.kernels.softcap_ce import triton_ce  # noqa: E402  (after the check: it imports triton)
 
 
 @pytest.fixture(autouse=True)

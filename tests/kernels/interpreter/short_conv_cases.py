@@ -1,10 +1,8 @@
 """The gated short convolution's backward Triton kernel under the Triton interpreter (CPU), against float64
 references.
 
-Not collected on its own (the name does not start with test_): test_short_conv.py runs it in a subprocess with
-TRITON_INTERPRET=1, set before triton is imported. Alone:
-    TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels/short_conv_cases.py
-Every launch runs under the interpreter bounds check of gated_delta_triton_cases.py. Tiles shrink to 8 x 16
+Run by test_short_conv.py (alone: see this folder's conftest.py). Every launch runs under the bounds check
+of tests/support/interpreter_bounds.py. Tiles shrink to 8 x 16
 and row groups to 16 rows, so 3 sequences of 13 tokens take row groups that cut sequences and tiles that
 cross them, over 2 channel blocks, ragged both ways.
 """
@@ -12,18 +10,14 @@ cross them, over 2 channel blocks, ragged both ways.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-from gated_delta_triton_cases import interpreter_bounds_check
+from interpreter_bounds import interpreter_bounds_check
 
-from atma_titan.kernels.short_conv import gated_conv_backward, gated_conv_backward_reference
+from atma_titan.kernels.short_conv import gated_conv_backward, gated_conv_backward_reference, triton_short_conv
 from atma_titan.models.conv import GatedShortConv
 from atma_titan.models.flavors import FLAVORS
-
-assert os.environ.get("TRITON_INTERPRET") == "1", "run through test_short_conv.py (sets TRITON_INTERPRET=1)"
-from atma_titan.kernels.short_conv import triton_short_conv  # noqa: E402  (after the check: it imports triton)
 
 
 @pytest.fixture(autouse=True)
