@@ -18,7 +18,6 @@ loaded, but not verified).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import xxhash
 
 from atma_titan.run.folder import COMPLETE_NAME
+from atma_titan.utils.atomic import write_text_atomic
 
 MARKER_FORMAT = 2
 DIGEST = "xxh3_64"
@@ -132,12 +132,7 @@ def write_marker(checkpoint: Path, info: dict[str, Any], files: dict[str, FileEn
     """Write COMPLETE with `info` (step, world_size, ...) and the manifest, atomically and durably."""
     body = {"format": MARKER_FORMAT, **info, "files": {k: files[k].to_json() for k in sorted(files)}}
     body[DIGEST] = xxhash.xxh3_64(_canonical(body)).hexdigest()
-    tmp = checkpoint / f".{COMPLETE_NAME}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, checkpoint / COMPLETE_NAME)
+    write_text_atomic(checkpoint / COMPLETE_NAME, json.dumps(body, indent=1, sort_keys=True), durable=True)
 
 
 def read_marker(checkpoint: Path) -> Marker:

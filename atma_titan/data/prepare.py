@@ -1,8 +1,4 @@
-"""Tokenise a dataset into llm.c `.bin` shards: `python -m atma_titan.data.prepare --out DEST ...`.
-
-    python -m atma_titan.data.prepare --source hf --path HuggingFaceFW/fineweb-edu --hf-config sample-10BT \
-        --tokenizer gpt2 --out s3://bucket/fineweb-edu-gpt2 --parts 64 --workers 16
-    python -m atma_titan.data.prepare --source text --path "corpus/*.jsonl" --tokenizer gpt2 --out data/corpus
+"""Tokenise a dataset into llm.c `.bin` shards, part by part (the command: `python -m atma_titan.prepare`).
 
 The input is split into `--parts` parts (the document sources' deterministic split); each part is
 tokenised by one worker process into shards `train_<part>_<k>.bin` of at most `--shard-tokens`
@@ -21,7 +17,6 @@ documents. Re-run with the folder's settings to resume it, or start over in a ne
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import sys
@@ -311,10 +306,6 @@ class _InlinePool:
         return map(fn, items)
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The docstring as written, and every option with its default."""
-
-
 def validation_note(job: Job, manifest: dict) -> str:
     """What the validation split holds, and why it differs from --val-tokens when it does."""
     if not job.val_tokens:
@@ -327,55 +318,3 @@ def validation_note(job: Job, manifest: dict) -> str:
         line += ": part 0 held no more documents (use fewer --parts for a larger split)"
     return line
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m atma_titan.data.prepare", description=__doc__, formatter_class=_HelpFormatter
-    )
-    p.add_argument("--source", choices=("text", "hf"), default="text", help="text files or a Hugging Face dataset")
-    p.add_argument("--path", required=True, help="text: glob/URL of .txt/.jsonl/.parquet files; hf: hub id")
-    p.add_argument("--hf-config", default="", help="hf: config name (e.g. sample-10BT)")
-    p.add_argument("--hf-split", default="train", help="hf: split")
-    p.add_argument("--text-field", default="text", help="field holding the text (jsonl, parquet, hf)")
-    p.add_argument("--tokenizer", default="gpt2", help="byte, gpt2, or a tokenizer.json path / hf:<hub id>")
-    p.add_argument("--out", required=True, help="destination folder: local path or fsspec URL (s3://, gs://, ...)")
-    p.add_argument("--parts", type=int, default=16, help="input split into this many independently resumable parts")
-    p.add_argument("--workers", type=int, default=1, help="worker processes")
-    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per output shard at most")
-    p.add_argument(
-        "--val-tokens", type=int, default=0, help="tokens of part 0 to set aside as val_000.bin (whole documents)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(argv)
-    for name in ("parts", "workers", "shard_tokens"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    job = Job(
-        a.source,
-        a.path,
-        a.hf_config,
-        a.hf_split,
-        a.text_field,
-        a.tokenizer,
-        a.out,
-        a.parts,
-        a.shard_tokens,
-        a.val_tokens,
-    )
-    began = time.time()
-    try:
-        manifest = prepare(job, a.workers, progress=not a.no_progress)
-    except InputError as e:  # our sources, shards and tokenizers say what is wrong
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"wrote {len(manifest['train_shards'])} train shards ({manifest['train_tokens']:,} tokens) and "
-        f"{len(manifest['val_shards'])} validation shards ({manifest['val_tokens']:,} tokens) of "
-        f"{manifest['documents']:,} documents to {a.out} in {time.time() - began:.1f} s"
-    )
-    print(validation_note(job, manifest))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

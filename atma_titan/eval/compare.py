@@ -1,18 +1,16 @@
-"""Several evaluations side by side, from the results.json files the eval command wrote:
+"""Several evaluations side by side, from the results.json files the eval command wrote (the command:
+`python -m atma_titan.compare`).
 
-    python -m atma_titan.eval.compare outputs/a/eval/results.json outputs/b/eval [--names A,B] --out DIR
-
-DIR gets results.md (exact and per-token recall by gap, one row per model and condition, in percent;
-the length curves' NLL when any model has one), needle.png and length_curve.png with every model on
-one figure (atma_titan.eval.plots). A folder argument means its results.json. Runs no model and
-needs no torch: the numbers are the files', so the comparison and each eval's results.md agree.
+The output folder gets results.md (exact and per-token recall by gap, one row per model and
+condition, in percent; the length curves' NLL when any model has one), needle.png and
+length_curve.png with every model on one figure (atma_titan.eval.plots). A folder argument means
+its results.json. Runs no model and needs no torch: the numbers are the files', so the comparison
+and each eval's results.md agree.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 from atma_titan.utils.atomic import write_text_atomic
@@ -31,7 +29,7 @@ from atma_titan.eval.report import (
     plot_needle,
 )
 
-__all__ = ["comparison_markdown", "load_results", "main"]
+__all__ = ["comparison_markdown", "load_results", "write_comparison"]
 
 
 def load_results(paths: list[str], names: list[str] | None = None) -> dict[str, dict]:
@@ -130,23 +128,3 @@ def write_comparison(results_by_name: dict[str, dict], out_dir: str | Path) -> l
         written.append(plot_length_curves(results_by_name, out / LENGTH_PNG))
     return written
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atma_titan.eval.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("results", nargs="+", help="results.json files, or the eval folders holding them")
-    p.add_argument("--names", help="comma-separated labels, one per results file (default: each file's name)")
-    p.add_argument("--out", required=True, help="folder for results.md, needle.png and length_curve.png")
-    args = p.parse_args(argv)
-    names = [n.strip() for n in args.names.split(",")] if args.names else None
-    try:
-        results_by_name = load_results(args.results, names)
-    except EvalInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for path in write_comparison(results_by_name, args.out):
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

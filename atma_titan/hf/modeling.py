@@ -10,32 +10,33 @@ DynamicCache, so `generate()` creates none and the first forward with use_cache 
 AtmaCache and returns it; generate passes it back for the next tokens. Left padding
 (attention_mask zeros) is handled by running each row's real tokens only: a padding position
 gets zero hidden states and is never cached.
+
+This module exists to integrate transformers (the `hf` extra) and imports it: without it, importing the
+module is a one-line MissingExtraError naming the extra. Code that must run without the extra imports
+it on first use.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from atma_titan.utils.errors import import_optional
-from atma_titan.hf.configuration import atma_config_class
+from atma_titan.hf.configuration import FEATURE, AtmaConfig
 from atma_titan.inference.cache import ModelCache
 from atma_titan.kernels.paged import gather_pages, write_pages
 from atma_titan.models import ATMA, ModelArgs
+from atma_titan.utils.errors import import_optional
 
-__all__ = ["AtmaCache", "model_classes"]  # and AtmaForCausalLM, AtmaPreTrainedModel, made on first use
+transformers = import_optional("transformers", "hf", FEATURE)
+outputs = import_optional("transformers.modeling_outputs", "hf", FEATURE, "transformers")
+
+__all__ = ["AtmaCache", "AtmaForCausalLM", "AtmaPreTrainedModel"]
 
 PAGE_SIZE = 16
-FEATURE = "the Hugging Face model (atma_titan.hf)"
-
-
-def __getattr__(name: str):
-    if name in ("AtmaPreTrainedModel", "AtmaForCausalLM"):
-        return model_classes()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# transformers 5 names the output's cache `cache`; 4.x named it `past_key_values`
+CACHE_FIELD = "cache" if "cache" in outputs.CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 class AtmaCache:
@@ -104,115 +105,101 @@ class AtmaCache:
         return h
 
 
-@functools.cache
-def model_classes() -> dict[str, type]:
-    """AtmaPreTrainedModel and AtmaForCausalLM, made on first use (they subclass transformers' classes)."""
-    transformers = import_optional("transformers", "hf", FEATURE)
-    outputs = import_optional("transformers.modeling_outputs", "hf", FEATURE, "transformers")
-    AtmaConfig = atma_config_class()
-    # transformers 5 names the output's cache `cache`; 4.x named it `past_key_values`
-    cache_field = "cache" if "cache" in outputs.CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+class AtmaPreTrainedModel(transformers.PreTrainedModel):
+    config_class = AtmaConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["Block"]
 
-    class AtmaPreTrainedModel(transformers.PreTrainedModel):
-        config_class = AtmaConfig
-        base_model_prefix = "model"
-        main_input_name = "input_ids"
-        supports_gradient_checkpointing = False
-        _no_split_modules = ["Block"]
+    def _init_weights(self, module) -> None:
+        """Nothing here: a loaded model gets every weight from the checkpoint; a new one (from_config)
+        gets ATMA's own initial weights in AtmaForCausalLM.__init__."""
 
-        def _init_weights(self, module) -> None:
-            """Nothing here: a loaded model gets every weight from the checkpoint; a new one (from_config)
-            gets ATMA's own initial weights in AtmaForCausalLM.__init__."""
 
-    class AtmaForCausalLM(AtmaPreTrainedModel, transformers.GenerationMixin):
-        def __init__(self, config: AtmaConfig):
-            super().__init__(config)
-            self.model = ATMA(config.to_model_args())
-            if not any(p.is_meta for p in self.model.parameters()):
-                self.model.init_weights()
-            self.post_init()
+class AtmaForCausalLM(AtmaPreTrainedModel, transformers.GenerationMixin):
+    def __init__(self, config: AtmaConfig):
+        super().__init__(config)
+        self.model = ATMA(config.to_model_args())
+        if not any(p.is_meta for p in self.model.parameters()):
+            self.model.init_weights()
+        self.post_init()
 
-        @classmethod
-        def _supports_default_dynamic_cache(cls) -> bool:
-            return False  # the forward makes its own AtmaCache (see the module docstring)
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the forward makes its own AtmaCache (see the module docstring)
 
-        def get_input_embeddings(self):
-            return self.model.embed
+    def get_input_embeddings(self):
+        return self.model.embed
 
-        def set_input_embeddings(self, value) -> None:
-            self.model.embed = value
+    def set_input_embeddings(self, value) -> None:
+        self.model.embed = value
 
-        def get_output_embeddings(self):
-            return self.model.head
+    def get_output_embeddings(self):
+        return self.model.head
 
-        def forward(
-            self,
-            input_ids: torch.LongTensor | None = None,
-            attention_mask: torch.Tensor | None = None,
-            position_ids: torch.LongTensor | None = None,
-            cache: AtmaCache | None = None,
-            inputs_embeds: torch.Tensor | None = None,
-            labels: torch.LongTensor | None = None,
-            use_cache: bool | None = None,
-            return_dict: bool | None = None,
-            logits_to_keep: int = 0,
-            past_key_values: AtmaCache | None = None,
-            **kwargs,
-        ):
-            """input_ids (B, T) -> CausalLMOutputWithPast: fp32 logits (B, T, V), the loss when labels are
-            given (next-token cross-entropy, -100 ignored), the AtmaCache when use_cache."""
-            if input_ids is None or inputs_embeds is not None:
-                raise ValueError("AtmaForCausalLM takes input_ids (inputs_embeds is not supported)")
-            cache = cache if cache is not None else past_key_values
-            use_cache = bool(use_cache)  # generate() passes it; a plain call is the model's plain forward
-            if cache is not None and not isinstance(cache, AtmaCache):
-                raise TypeError(f"AtmaForCausalLM needs an AtmaCache, not {type(cache).__name__}")
-            mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-            if use_cache or cache is not None:
-                if cache is None:
-                    b, t = input_ids.shape
-                    cache = AtmaCache(self.model.args, b, 2 * t, self.model.embed.weight.dtype, input_ids.device)
-                h = self._cached_trunk(input_ids, mask, cache)
-                cache.seen += input_ids.shape[1]
-            else:
-                h = self._trunk(input_ids, mask)
-            if logits_to_keep:
-                h = h[:, -logits_to_keep:]
-            logits = self.model.head(h)
-            loss = None
-            if labels is not None:
-                loss = F.cross_entropy(
-                    logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
-                )
-            return outputs.CausalLMOutputWithPast(
-                loss=loss, logits=logits, **{cache_field: cache if use_cache else None}
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: AtmaCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        past_key_values: AtmaCache | None = None,
+        **kwargs,
+    ):
+        """input_ids (B, T) -> CausalLMOutputWithPast: fp32 logits (B, T, V), the loss when labels are
+        given (next-token cross-entropy, -100 ignored), the AtmaCache when use_cache."""
+        if input_ids is None or inputs_embeds is not None:
+            raise ValueError("AtmaForCausalLM takes input_ids (inputs_embeds is not supported)")
+        cache = cache if cache is not None else past_key_values
+        use_cache = bool(use_cache)  # generate() passes it; a plain call is the model's plain forward
+        if cache is not None and not isinstance(cache, AtmaCache):
+            raise TypeError(f"AtmaForCausalLM needs an AtmaCache, not {type(cache).__name__}")
+        mask = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
+        if use_cache or cache is not None:
+            if cache is None:
+                b, t = input_ids.shape
+                cache = AtmaCache(self.model.args, b, 2 * t, self.model.embed.weight.dtype, input_ids.device)
+            h = self._cached_trunk(input_ids, mask, cache)
+            cache.seen += input_ids.shape[1]
+        else:
+            h = self._trunk(input_ids, mask)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.model.head(h)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
             )
+        return outputs.CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache if use_cache else None})
 
-        def _trunk(self, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-            if mask is None:
-                return self.model.trunk(input_ids)[0]
-            h = self._hidden_like(input_ids)
-            for b in range(input_ids.shape[0]):  # each row's real tokens only
-                h[b, mask[b]] = self.model.trunk(input_ids[b, mask[b]][None])[0][0]
-            return h
+    def _trunk(self, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is None:
+            return self.model.trunk(input_ids)[0]
+        h = self._hidden_like(input_ids)
+        for b in range(input_ids.shape[0]):  # each row's real tokens only
+            h[b, mask[b]] = self.model.trunk(input_ids[b, mask[b]][None])[0][0]
+        return h
 
-        def _cached_trunk(self, input_ids: torch.Tensor, mask: torch.Tensor | None, cache: AtmaCache) -> torch.Tensor:
-            if input_ids.shape[0] != cache.batch:
-                raise ValueError(f"the cache holds {cache.batch} sequences, the input {input_ids.shape[0]}")
-            if input_ids.shape[1] == 1 and cache.seen > 0:  # a decode step: every row at once
-                return cache.decode(self.model, input_ids[:, 0])
-            h = self._hidden_like(input_ids)
-            for b in range(input_ids.shape[0]):
-                keep = slice(None) if mask is None else mask[b, -input_ids.shape[1] :]
-                if input_ids[b, keep].numel():
-                    h[b, keep] = cache.prefill(self.model, b, input_ids[b, keep])
-            return h
+    def _cached_trunk(self, input_ids: torch.Tensor, mask: torch.Tensor | None, cache: AtmaCache) -> torch.Tensor:
+        if input_ids.shape[0] != cache.batch:
+            raise ValueError(f"the cache holds {cache.batch} sequences, the input {input_ids.shape[0]}")
+        if input_ids.shape[1] == 1 and cache.seen > 0:  # a decode step: every row at once
+            return cache.decode(self.model, input_ids[:, 0])
+        h = self._hidden_like(input_ids)
+        for b in range(input_ids.shape[0]):
+            keep = slice(None) if mask is None else mask[b, -input_ids.shape[1] :]
+            if input_ids[b, keep].numel():
+                h[b, keep] = cache.prefill(self.model, b, input_ids[b, keep])
+        return h
 
-        def _hidden_like(self, input_ids: torch.Tensor) -> torch.Tensor:
-            b, t = input_ids.shape
-            weight = self.model.embed.weight
-            return torch.zeros(b, t, self.model.args.d_model, dtype=weight.dtype, device=weight.device)
-
-    for cls in (AtmaPreTrainedModel, AtmaForCausalLM):
-        cls.__qualname__ = cls.__name__
-    return {"AtmaPreTrainedModel": AtmaPreTrainedModel, "AtmaForCausalLM": AtmaForCausalLM}
+    def _hidden_like(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        weight = self.model.embed.weight
+        return torch.zeros(b, t, self.model.args.d_model, dtype=weight.dtype, device=weight.device)

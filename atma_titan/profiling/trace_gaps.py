@@ -10,7 +10,7 @@ launched it (`launcher_report`): a compiled graph, an FSDP hook, an optimizer st
 operator outside all of them. The trainer writes both reports beside each trace ([profiling]); for a
 trace on its own:
 
-    python -m atma_titan.profiling.trace_gaps <dump_folder>/profile/rank0_step8.json.gz
+    python -m atma_titan.profiling <dump_folder>/profile/rank0_step8.json.gz
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import collections
 import gzip
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,13 +143,3 @@ def launcher_report(spans: list[Span], top: int = TOP) -> str:
     for (kernel, launcher), t in by_kernel.most_common(top):
         lines.append(f"  {t / 1e3:8.2f} ms {count[(kernel, launcher)]:6d}x  {kernel[:60]}  <- {launcher[:60]}")
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or not Path(argv[0]).is_file():
-        print("usage: python -m atma_titan.profiling TRACE.json[.gz] (a torch.profiler Chrome trace)", file=sys.stderr)
-        return 2
-    spans = read_spans(argv[0])
-    print(idle_report(spans), launcher_report(spans), sep="\n", end="")
-    return 0

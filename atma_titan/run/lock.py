@@ -19,7 +19,6 @@ tells every rank what rank 0 found.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
@@ -29,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+from atma_titan.utils.atomic import create_text_exclusive, write_json_atomic
 from atma_titan.utils.errors import InputError
 
 __all__ = ["HEARTBEAT_S", "LOCK_NAME", "STALE_AFTER_S", "FolderLock", "FolderLocked", "lock_run_folder"]
@@ -156,26 +156,7 @@ def _read(path: Path) -> dict | None:
 
 def _create(path: Path, content: dict) -> bool:
     """Create the lock atomically with its whole content; False when it already exists."""
-    text = json.dumps(content, indent=2) + "\n"
-    tmp = path.with_name(f".{path.name}.{content['token']}.tmp")
-    tmp.write_text(text)
-    try:
-        os.link(tmp, path)  # atomic, also on NFS; the lock appears whole
-        return True
-    except FileExistsError:
-        return False
-    except OSError as e:  # a filesystem without hard links: exclusive create instead
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
-            raise
-    finally:
-        tmp.unlink(missing_ok=True)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return True
+    return create_text_exclusive(path, json.dumps(content, indent=2) + "\n", durable=True)
 
 
 def _remove_stale(path: Path, holder: dict) -> bool:
@@ -253,9 +234,7 @@ class FolderLock:
                     )
                     return
                 self.content["heartbeat"] = time.time()
-                tmp = self.path.with_name(f".{self.path.name}.{self.content['token']}.tmp")
-                tmp.write_text(json.dumps(self.content, indent=2) + "\n")
-                os.replace(tmp, self.path)
+                write_json_atomic(self.path, self.content, durable=True)
                 warned = False
             except OSError as e:  # a filesystem hiccup: keep trying; the timeout is 20 heartbeats long
                 if not warned:

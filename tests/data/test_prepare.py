@@ -5,7 +5,8 @@ import sys
 import numpy as np
 import pytest
 
-from atma_titan.data.prepare import Job, main, prepare
+from atma_titan.data.prepare import Job, prepare
+from atma_titan.prepare import main
 from atma_titan.data.shards import BinShards
 
 
@@ -80,7 +81,7 @@ def test_command_line_errors_exit_nonzero_with_a_message(tmp_path):
         [
             sys.executable,
             "-m",
-            "atma_titan.data.prepare",
+            "atma_titan.prepare",
             "--path",
             str(tmp_path / "none*.jsonl"),
             "--out",
@@ -132,7 +133,7 @@ def test_the_validation_split_reports_its_real_size_and_why(tmp_path, capsys):
 
 def test_help_shows_every_default():
     proc = subprocess.run(
-        [sys.executable, "-m", "atma_titan.data.prepare", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "atma_titan.prepare", "--help"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from atma_titan.data.prepare import PLAN, PlanMismatch, main, prepare
+from atma_titan.data.prepare import PLAN, PlanMismatch, prepare
+from atma_titan.prepare import main
 from test_prepare import corpus, job
 
 

@@ -8,6 +8,7 @@ import pickle
 import tempfile
 
 import pytest
+from bpe import TEXTS, train_bpe
 
 from atma_titan.data.tokenizer import (
     EOT_CANDIDATES,
@@ -20,7 +21,6 @@ from atma_titan.data.tokenizer import (
     encode_batch,
 )
 
-TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "", "héllo wörld 日本語 🚀"]
 GPT2_URLS = (
     "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
     "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
@@ -115,22 +115,6 @@ def test_gpt2_wrapper_treats_special_text_as_text():
 
 
 # ---------------------------------------------------------------- Hugging Face tokenizers
-
-
-def train_bpe(path, special_tokens, vocab_size=300):
-    """A tiny byte-level BPE trained here and saved as a tokenizer.json."""
-    from tokenizers import Tokenizer as HFRaw
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    raw = HFRaw(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    raw.train_from_iterator(TEXTS * 20, trainer)
-    raw.save(str(path))
-    return path
 
 
 @pytest.fixture

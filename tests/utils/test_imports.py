@@ -2,7 +2,9 @@
 
 A package installed by hand on a machine hides a missing dependency (safetensors once did): these tests
 read the imports from the source and check them against the declared dependencies, then import every
-module in a subprocess where the optional extras cannot be imported.
+module in a subprocess where the optional extras cannot be imported. The only modules allowed to need an
+extra to import are the few that exist to integrate it (INTEGRATIONS): they import it through
+`import_optional` at module level, so without it they fail with the one-line error naming the extra.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "atma_titan"
 # Import names whose distribution is named otherwise, for distributions not installed here.
 NOT_INSTALLED_DISTRIBUTIONS = {"fla": "fla-core"}
+# Modules that exist to integrate one extra (they subclass its classes), with that extra: the only ones
+# that may call import_optional at module level, and so need the extra to import.
+INTEGRATIONS = {"atma_titan.hf.configuration": "hf", "atma_titan.hf.modeling": "hf"}
 
 
 def _normalise(name: str) -> str:
@@ -60,12 +65,14 @@ def distribution_of(import_name: str) -> str:
     return _normalise(NOT_INSTALLED_DISTRIBUTIONS.get(import_name, import_name))
 
 
-def third_party_imports(path: Path) -> tuple[set[str], set[str]]:
-    """(imports at module level, imports inside functions) of one file, third-party top-level names only.
+def third_party_imports(path: Path) -> tuple[set[str], set[str], set[str]]:
+    """(imports at module level, imports inside functions, import_optional calls at module level) of one file,
+    third-party top-level names only.
 
-    `import_optional("module", ...)` calls count as lazy imports of their module (or `package=`)."""
+    `import_optional("module", ...)` calls count as lazy imports of their module (or `package=`); those made
+    at module level are also in the third set."""
     tree = ast.parse(path.read_text())
-    module_level, lazy = set(), set()
+    module_level, lazy, optional_at_import = set(), set(), set()
 
     def add(names: set[str], module: str) -> None:
         top = module.split(".")[0]
@@ -87,10 +94,17 @@ def third_party_imports(path: Path) -> tuple[set[str], set[str]]:
                 package = args[3] if len(args) > 3 else None
                 if package or args[0]:
                     add(lazy, package or args[0])
+                    if not inside:
+                        add(optional_at_import, package or args[0])
             visit(child, inside)
 
     visit(tree, False)
-    return module_level, lazy
+    return module_level, lazy, optional_at_import
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def test_every_import_is_declared_and_optional_ones_are_lazy():
@@ -98,8 +112,13 @@ def test_every_import_is_declared_and_optional_ones_are_lazy():
     optional = set().union(*extras.values())
     problems = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        module_level, lazy = third_party_imports(path)
+        module_level, lazy, optional_at_import = third_party_imports(path)
         where = path.relative_to(ROOT)
+        if optional_at_import and module_name(path) not in INTEGRATIONS:
+            problems.append(
+                f"{where}: calls import_optional at module level ({', '.join(sorted(optional_at_import))}), so it "
+                "cannot import without that extra; import it inside the function that needs it"
+            )
         for name in sorted(module_level):
             if distribution_of(name) not in core:
                 problems.append(
@@ -135,12 +154,21 @@ import importlib, pkgutil, sys
 for name in BLOCKED:  # as if not installed: `import name` fails, importlib.util.find_spec(name) is None
     sys.modules[name] = None
 import atma_titan
+from atma_titan.utils.errors import MissingExtraError
+
 failed = []
 for info in pkgutil.walk_packages(atma_titan.__path__, "atma_titan."):
+    extra = INTEGRATIONS.get(info.name)
     try:
         importlib.import_module(info.name)
+    except MissingExtraError as e:  # allowed for an integration: one line, naming its extra
+        if extra is None or "\\n" in str(e) or f"pip install 'atma_titan[{extra}]'" not in str(e):
+            failed.append(f"{info.name}: {type(e).__name__}: {e}")
     except Exception as e:
         failed.append(f"{info.name}: {type(e).__name__}: {e}")
+    else:
+        if extra is not None:
+            failed.append(f"{info.name}: imports without the {extra} extra: drop it from INTEGRATIONS")
 print("\\n".join(failed) if failed else "ALL IMPORTED")
 """
 
@@ -148,9 +176,10 @@ print("\\n".join(failed) if failed else "ALL IMPORTED")
 def test_every_module_imports_without_the_optional_extras():
     modules = [m.name for m in pkgutil.walk_packages(atma_titan.__path__, "atma_titan.")]
     assert len(modules) > 30 and "atma_titan.train" in modules
+    assert set(INTEGRATIONS) <= set(modules)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", f"BLOCKED = {BLOCKED!r}\n" + _IMPORT_ALL],
+        [sys.executable, "-c", f"BLOCKED = {BLOCKED!r}\nINTEGRATIONS = {INTEGRATIONS!r}\n" + _IMPORT_ALL],
         cwd=ROOT,
         env=env,
         capture_output=True,
