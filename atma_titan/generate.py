@@ -3,7 +3,7 @@
     python -m atma_titan.generate --checkpoint PATH (--prompt TEXT | --prompts FILE.jsonl)
         [--max-new-tokens 128] [--temperature 0.8] [--top-k 200] [--top-p 1.0] [--seed 0]
         [--batch-size 8] [--max-context N] [--page-size 16] [--no-cache] [--no-cuda-graphs] [--compile]
-        [--device auto] [--config FILE.toml] [--step N] [--out FILE.jsonl]
+        [--device auto] [--config FILE.toml] [--step N] [--out FILE.jsonl] [--show-ids]
 
 PATH is any checkpoint the eval command takes (a DCP step directory, a checkpoint folder, a run
 folder, an exported .safetensors file); the model and tokenizer come from the run's config.toml.
@@ -11,7 +11,11 @@ Each prompt starts with the EOT id, as every training document does. `--prompt` 
 to stdout as it is produced; `--prompts` reads one JSON object per line ({"prompt": "..."}, or a
 bare JSON string) and writes one JSON line per prompt, as each finishes, to --out (default stdout):
 {"index", "prompt", "text", "prompt_tokens", "new_tokens", "finish": "eot" | "length", "seconds"}
-("seconds": from the prompt's first new token, which follows its prefill, to its last).
+("seconds": from the prompt's first new token, which follows its prefill, to its last). An id the
+tokenizer has no text for is shown as <id> (the debug model's synthetic language writes ids 257-511,
+beyond the byte tokenizer's 0-256), as are bytes that are not UTF-8 and control characters other than
+tab and line ends (data, not commands to the terminal). `--show-ids` also prints the
+generated ids: a line "ids: 311 402 ..." after the text of `--prompt`, an "ids" list in each JSON line.
 `--temperature 0` is greedy decoding. `--no-cache` recomputes the full forward for every token
 (slow; for checking the cache). `--compile` compiles the decode step (worth it for long outputs).
 Bad input exits with status 2 and a message.
@@ -27,26 +31,27 @@ from pathlib import Path
 
 import torch
 
+from atma_titan.data.tokenizer import decode_readable
 from atma_titan.utils.device import resolve_device
 from atma_titan.utils.errors import InputError
 from atma_titan.checkpoint.open import load_eval_model, open_checkpoint
 from atma_titan.inference import Generator, Request, Sampling, cast_for_inference
-from atma_titan.utils.known_warnings import silence_known_warnings
+from atma_titan.utils.cli import add_checkpoint_arguments, command, command_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m atma_titan.generate",
-        description="Generate text from an ATMA checkpoint (paged KV cache, batched decoding).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--checkpoint", required=True, help="step dir, checkpoint folder, run folder, or .safetensors")
-    p.add_argument("--config", help="the run's TOML config (default: config.toml of the run folder)")
-    p.add_argument("--step", type=int, help="checkpoint step to load from a folder (default: newest complete)")
+    p = command_parser("generate", "Generate text from an ATMA checkpoint (paged KV cache, batched decoding).")
+    add_checkpoint_arguments(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt; its continuation is streamed to stdout")
     source.add_argument("--prompts", help='a JSONL file, one {"prompt": "..."} per line')
     p.add_argument("--out", help="with --prompts: the JSONL file to write (default: stdout)")
+    p.add_argument(
+        "--show-ids",
+        action="store_true",
+        help='also print the generated token ids (EOT included): a line "ids: ..." after the text, or an "ids" '
+        "list in each JSON line of --prompts",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt, at most")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
@@ -100,7 +105,10 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 class TextStream:
-    """Prints the text of a growing token list as it becomes final (a multi-byte character can span tokens)."""
+    """Prints the text of a growing token list as it becomes final (a multi-byte character can span tokens).
+
+    Ids without text (outside the tokenizer's vocabulary, bytes that are not UTF-8, control characters) print as
+    <id>."""
 
     def __init__(self, tokenizer, out=None):
         self.tokenizer, self.out = tokenizer, out or sys.stdout
@@ -109,9 +117,7 @@ class TextStream:
 
     def add(self, token: int, final: bool = False) -> None:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if not final:
-            text = text.rstrip("\ufffd")  # an incomplete character: wait for its next byte
+        text = decode_readable(self.tokenizer, self.tokens, final=final)  # not final: a character's start waits
         if len(text) > self.shown:
             self.out.write(text[self.shown :])
             self.out.flush()
@@ -149,11 +155,11 @@ def generate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     requests = [Request(p, args.max_new_tokens, i) for i, p in enumerate(prompts)]
     if args.prompt is not None:
-        return _stream_one(engine, requests[0], tokenizer)
-    return _write_all(engine, requests, texts, tokenizer, args.out)
+        return _stream_one(engine, requests[0], tokenizer, args.show_ids)
+    return _write_all(engine, requests, texts, tokenizer, args.out, args.show_ids)
 
 
-def _stream_one(engine: Generator, request: Request, tokenizer) -> int:
+def _stream_one(engine: Generator, request: Request, tokenizer, show_ids: bool) -> int:
     stream, began, finish = TextStream(tokenizer), time.perf_counter(), None
     for event in engine.generate([request]):
         stream.add(event.token, final=event.finished is not None)
@@ -161,11 +167,15 @@ def _stream_one(engine: Generator, request: Request, tokenizer) -> int:
     seconds = time.perf_counter() - began
     n = len(stream.tokens)
     print(flush=True)  # end the streamed line
+    if show_ids:
+        print("ids:", *stream.tokens, flush=True)
     print(f"[{n} tokens in {seconds:.2f} s, {n / seconds:.1f} tokens/s; finished: {finish}]", file=sys.stderr)
     return 0
 
 
-def _write_all(engine: Generator, requests: list[Request], texts: list[str], tokenizer, out: str | None) -> int:
+def _write_all(
+    engine: Generator, requests: list[Request], texts: list[str], tokenizer, out: str | None, show_ids: bool
+) -> int:
     sink = open(out, "w", encoding="utf-8") if out else sys.stdout
     generated: dict[int, list[int]] = {r.index: [] for r in requests}
     started = {r.index: None for r in requests}
@@ -182,12 +192,14 @@ def _write_all(engine: Generator, requests: list[Request], texts: list[str], tok
             row = {
                 "index": event.index,
                 "prompt": texts[event.index],
-                "text": tokenizer.decode(text_tokens),
+                "text": decode_readable(tokenizer, text_tokens),
                 "prompt_tokens": len(requests[event.index].prompt),
                 "new_tokens": len(tokens),
                 "finish": event.finished,
                 "seconds": round(time.perf_counter() - started[event.index], 4),
             }
+            if show_ids:
+                row["ids"] = tokens
             sink.write(json.dumps(row, ensure_ascii=False) + "\n")
             sink.flush()
             done += 1
@@ -205,14 +217,9 @@ def _write_all(engine: Generator, requests: list[Request], texts: list[str], tok
     return 0
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    silence_known_warnings()
-    try:
-        return generate(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return generate(parse_args(argv))
 
 
 if __name__ == "__main__":

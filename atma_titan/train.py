@@ -33,19 +33,27 @@ from atma_titan.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
     Chosen,
-    export_safetensors,
     model_state,
     optimizer_state,
 )
+from atma_titan.checkpoint.weights import export_safetensors
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
+from atma_titan.config.validation import config_warnings
 from atma_titan.data import TrainData
-from atma_titan.utils.device import cap_device_memory, copy_to_host, resolve_device
+from atma_titan.utils.cli import command
+from atma_titan.utils.device import (
+    CpuThreads,
+    cap_device_memory,
+    copy_to_host,
+    load_average,
+    resolve_device,
+    set_cpu_threads,
+)
 from atma_titan.utils.errors import InputError, import_optional
 from atma_titan.run.faults import FaultInjector
 from atma_titan.run.lock import lock_run_folder
 from atma_titan.run.gc_schedule import GCSchedule
 from atma_titan.hf.load import HF_CONFIG, load_hf_weights
-from atma_titan.utils.known_warnings import silence_known_warnings
 from atma_titan.metrics import (
     MetricsLogger,
     Throughput,
@@ -71,6 +79,7 @@ from atma_titan.parallel import (
     total_norm,
 )
 from atma_titan.run.preemption import LauncherWatch, StopRequest
+from atma_titan.run.resume_check import Change, check_resume
 from atma_titan.profiling.window import StepProfiler
 from atma_titan.run.folder import RunFolder, step_dir
 from atma_titan.eval.validation import Validator
@@ -229,6 +238,7 @@ class Start:
     folder: RunFolder
     resume_step: int | None  # this run's own checkpoint to resume from
     complete_at: int | None = None  # the run is finished at this step: nothing to do
+    changes: tuple[Change, ...] = ()  # the keys changed since the saved config, all allowed on resume
 
 
 def read_start(cfg: JobConfig) -> Start:
@@ -241,6 +251,9 @@ def read_start(cfg: JobConfig) -> Start:
     resume_step = None
     if ck.enable and ck.resume:
         resume_step = ck.load_step if ck.load_step >= 0 else folder.latest_checkpoint_step()
+    # Before anything is written: a resume may not change what the checkpoints were trained with.
+    resuming = resume_step is not None and folder.config.is_file()
+    changes = tuple(check_resume(folder.config, cfg.to_toml())) if resuming else ()
     done = folder.done_step()
     same_run = resume_step is not None or _saved_config(folder) == cfg.to_toml()
     if done is not None and done >= cfg.training.steps and same_run:
@@ -253,10 +266,10 @@ def read_start(cfg: JobConfig) -> Start:
                 f"{folder.path} is a run complete at step {done} without {missing} and without a "
                 "checkpoint to export it from (checkpoint.enable was false); remove the folder to train it again"
             )
-        return Start(folder, resume_step)  # resume the final checkpoint: zero steps, then the export
+        return Start(folder, resume_step, changes=changes)  # resume the final checkpoint: zero steps, then export
     if not same_run:
         _check_unclaimed(folder)
-    return Start(folder, resume_step)
+    return Start(folder, resume_step, changes=changes)
 
 
 def _saved_config(folder: RunFolder) -> str | None:
@@ -324,6 +337,7 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
     """Open the run folder's sinks and data, build model and optimizers, resume, open the loader."""
     say = print_flush if dims.is_main else (lambda *a, **k: None)
     began = time.perf_counter()
+    cpu_threads = set_cpu_threads(device)  # before any op runs; the header says the choice
     seed_everything(cfg.job.seed, cfg.job.deterministic)
     plan = BatchPlan.of(cfg.training, dims.dp_degree)
     folder = start.folder
@@ -358,7 +372,7 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
             optimizers=optimizers, schedules=schedules, state=state, checkpointer=checkpointer, job_state=job_state,
             say=say, began=began, exits=exits,
         )  # fmt: skip
-        say_header(run)
+        say_header(run, cpu_threads)
         # Before the loader forks its workers: they inherit the handler, so a Ctrl-C to the process group
         # leaves them running and the step can finish and save.
         run.stop.install()
@@ -395,6 +409,7 @@ def open_checkpointer(cfg: JobConfig, dims: ParallelDims, folder: RunFolder, say
         on_saved=saved,
         load_step=ck.load_step,
         warn=lambda message: print(f"warning: {message}", file=sys.stderr, flush=True),
+        set_aside_damaged=True,  # this run saves here again: a damaged step-N must not be overwritten
     )
 
 
@@ -437,8 +452,9 @@ def open_logger(cfg: JobConfig, dims: ParallelDims, folder: RunFolder, resumed_f
     )
 
 
-def say_header(run: Run) -> None:
-    """The run in three lines: model, batch and length, where its files go."""
+def say_header(run: Run, cpu_threads: CpuThreads | None = None) -> None:
+    """The run in three lines: model, batch and length, where its files go; then what may surprise in it
+    (the CPU threads, a weighted loss) and the config's warnings on stderr."""
     cfg, args = run.cfg, run.args
     params = sum(p.numel() for p in run.model.parameters())
     n_global = sum(args.is_global(i) for i in range(args.n_layers))
@@ -457,6 +473,19 @@ def say_header(run: Run) -> None:
     else:
         saves = f"checkpoints every {ck.interval} steps and at the end in {run.folder.checkpoints}"
     run.say(f"  run folder {run.folder.path}: {run.folder.config.name}, {run.folder.metrics.name}; {saves}")
+    if cpu_threads is not None:
+        run.say(f"  {cpu_threads.describe()}")
+    if run.dims.world_size > 1:  # the metrics line's throughput is one rank's share of the batch
+        run.say(f"  tok/s and mfu are per rank: the job's tokens/s is {run.dims.world_size} x tok/s")
+    if cfg.data.recall_weight != 1.0:
+        # the recall records' tokens count recall_weight times in the mean: ~37 where plain CE would be ~3
+        weight = f"data.recall_weight = {cfg.data.recall_weight:g}"
+        run.say(f"  loss is recall-weighted ({weight}): not comparable to plain CE")
+    if run.dims.is_main:
+        load = load_average()
+        crowded = cpu_threads.crowded(load) if cpu_threads is not None and load is not None else None
+        for message in config_warnings(cfg) + ([crowded] if crowded else []):
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def choose_checkpoint(cfg: JobConfig, start: Start, checkpointer: CheckpointManager) -> Chosen | None:
@@ -492,14 +521,18 @@ def restore(run: Run, start: Start, chosen: Chosen | None) -> dict | None:
         return None
     if start.resume_step is not None:
         rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen)
+        run.schedules.follow()
         run.saved_step = run.state.step
         run.say(f"resumed from {chosen.path} at step {run.state.step}")
+        if start.changes:
+            run.say(f"  changed since the run's config.toml: {'; '.join(c.describe() for c in start.changes)}")
         return rank_state
     if ck.model_only:  # weights only: the rank state of another run's step is of no use
         run.checkpointer.load({"model": run.job_state["model"]}, checkpoint=chosen)
         rank_state = None
     else:
         rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen)
+        run.schedules.follow()
     run.say(f"loaded {'model weights' if ck.model_only else 'checkpoint'} from {chosen.path}")
     return rank_state
 
@@ -809,23 +842,13 @@ def say_stopped(run: Run) -> None:
     say_summary(run, "stopped")
 
 
+@command(statuses={NonFiniteLoss: 3, ExportError: 1})
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    silence_known_warnings()
-    try:
-        train(load_config(argv))
-    except InputError as e:  # bad input: the message says what
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    train(load_config(argv))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints over torch.distributed.checkpoint (DCP): save, verify, resume, retention, weight export.
+"""Checkpoints over torch.distributed.checkpoint (DCP): save, verify, resume, retention, loading the weights alone.
 
 Layout on disk, one directory per saved step under the checkpoint folder:
 
@@ -7,7 +7,7 @@ Layout on disk, one directory per saved step under the checkpoint folder:
         .metadata, __0_0.distcp, __1_0.distcp, ...   DCP files: every rank writes its own shards
         rank_state/rank-0.pt, rank-1.pt, ...         each rank's private state (weights_only-loadable)
         COMPLETE                                      JSON: step, world size, and the manifest: every
-                                                      file's size and xxh3_64 (checkpoint_manifest.py)
+                                                      file's size and xxh3_64 (manifest.py)
       step-1000/
         ...
       rolled_back/<time>/step-N/                     checkpoints set aside by a load_step rollback
@@ -26,9 +26,10 @@ world size is unchanged, otherwise the caller rebuilds it from the global train 
 
 Completeness rule: a step directory is a checkpoint only once it holds COMPLETE. Each rank hashes
 the files it wrote (its __<rank>_*.distcp files and its rank file; rank 0 also .metadata), the
-digests are gathered, and rank 0 writes the marker with the manifest (to a temporary name, then
-os.replace, so it appears whole or not at all). A crash mid-save therefore leaves a directory
-without a marker, which `latest_step` and `load` never choose and retention later deletes.
+digests are gathered, and rank 0 writes the marker with the manifest (atomically and durably,
+utils/atomic.py: it appears whole or not at all, and survives a crash of the host). A crash mid-save
+therefore leaves a directory without a marker, which `latest_step` and `load` never choose and
+retention later deletes.
 
 Verification: before loading, the chosen checkpoint is checked against its manifest, file i by
 rank i % world_size (size, digest; .metadata and rank files must also unpickle through the
@@ -68,8 +69,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -110,9 +109,11 @@ from atma_titan.checkpoint.safe_unpickle import (
     safe_bytes,
     short_reason,
 )
+from atma_titan.utils.atomic import write_bytes_atomic
 
 MODEL_KEY = "model"
 ROLLED_BACK_DIR = "rolled_back"
+DAMAGED_SUFFIX = ".damaged"  # step-N.damaged: a checkpoint that failed verification, set aside by a resume
 
 __all__ = [
     "CheckpointError",
@@ -123,9 +124,7 @@ __all__ = [
     "ModelState",
     "OptimizerState",
     "UnsafeCheckpointError",
-    "export_safetensors",
     "load_model_only",
-    "load_safetensors",
     "model_state",
     "optimizer_state",
 ]
@@ -213,12 +212,6 @@ def _global_rank() -> int:
     return dist.get_rank() if _dist_on() else 0
 
 
-def _atomic_write(data: bytes, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _remove_checkpoint(ckpt: Path) -> None:
     # The marker goes first: if we die halfway, what is left no longer counts as a checkpoint.
     (ckpt / COMPLETE_NAME).unlink(missing_ok=True)
@@ -254,6 +247,33 @@ def _load_failure(error: BaseException) -> str:
     return str(error) if isinstance(error, CheckpointError) else short_reason(error)
 
 
+def model_mismatch(ckpt: Path, model: ModelState) -> str | None:
+    """What differs between the parameters a checkpoint holds and the model's, or None when they match.
+
+    DCP's planner refuses a parameter the checkpoint lacks, but silently skips one the model lacks: a
+    changed model would load partially. Both directions are checked first, by name."""
+    prefix = f"{MODEL_KEY}."
+    try:
+        metadata = SafeFileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: the load itself reports it, as one CheckpointError
+        return None
+    saved = {key[len(prefix) :] for key in metadata if key.startswith(prefix)}
+    wanted = set(model.state_dict())
+    missing, extra = sorted(wanted - saved), sorted(saved - wanted)
+    if not missing and not extra:
+        return None
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    parts = [f"{len(missing)} of this model's parameters are not in it ({few(missing)})"] if missing else []
+    parts += [f"it holds {len(extra)} parameters this model lacks ({few(extra)})"] if extra else []
+    return (
+        f"checkpoint {ckpt} holds another model: {'; '.join(parts)}. Build the model it was trained with (its "
+        "run's [model] config); nothing was loaded"
+    )
+
+
 def _names(steps: list[int] | list[Path]) -> str:
     return ", ".join(step_dir("", s).name if isinstance(s, int) else s.name for s in steps) or "none"
 
@@ -267,6 +287,7 @@ class Chosen:
     world_size: int  # the world size that saved it
     verified: bool  # False: saved before manifests existed, loaded unverified
     retire: tuple[Path, ...] = ()  # a load_step rollback: newer checkpoints set aside once this one loads
+    damaged: tuple[Path, ...] = ()  # this folder's newer checkpoints that failed verification: moved aside too
 
 
 @dataclass
@@ -290,7 +311,8 @@ class CheckpointManager:
     `load_step` is the run's checkpoint.load_step (-1: none): every marker records it, so that a
     requeue of a run resumed at load_step N tells its own newer checkpoints from older ones (see
     `select`). `warn(message)` tells of skipped or unverified checkpoints and other surprises (rank 0
-    only); by default a CheckpointWarning.
+    only); by default a CheckpointWarning. `set_aside_damaged`: once a load has skipped damaged checkpoints
+    of this folder, rename them to step-N.damaged, so that a run saving here again never overwrites them.
     """
 
     def __init__(
@@ -304,6 +326,7 @@ class CheckpointManager:
         on_saved: Callable[[int, Path, float], None] | None = None,
         load_step: int = -1,
         warn: Callable[[str], None] | None = None,
+        set_aside_damaged: bool = False,
     ):
         if keep_latest_k < 0:
             raise ValueError(f"keep_latest_k = {keep_latest_k} is invalid; allowed: 0 (keep all) or a positive count")
@@ -311,6 +334,7 @@ class CheckpointManager:
         self.keep_latest_k = keep_latest_k
         self.async_save = async_save
         self.load_step = load_step
+        self.set_aside_damaged = set_aside_damaged
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         # Gloo groups of our own, off NCCL: one for what the calling thread does (barriers, verdicts,
         # digests, synchronous DCP), one for the async writer's thread, whose collectives must never
@@ -372,7 +396,7 @@ class CheckpointManager:
             self._fresh_dir(ckpt)
         self._barrier()  # the directory exists before any rank writes into it
         if data is not None:
-            _atomic_write(data, ckpt / rank_file(self.rank))
+            write_bytes_atomic(ckpt / rank_file(self.rank), data, durable=True)
         if self.async_save:
             result = dcp.async_save(state, checkpoint_id=str(ckpt), process_group=self._writer_group)
             self._pending = _Pending(step, self._hasher.submit(self._written_then_hashed, _upload_future(result), ckpt))
@@ -443,7 +467,7 @@ class CheckpointManager:
         if isinstance(plan, str):
             raise CheckpointNotFoundError(plan)
         candidates, retire = plan
-        tried = []
+        tried, damaged = [], []
         for where, marker in candidates:
             ckpt = Path(where)
             problems = [f"{COMPLETE_NAME}: {marker}"] if isinstance(marker, str) else self._verify(ckpt, marker)
@@ -453,8 +477,13 @@ class CheckpointManager:
                         f"checkpoint {ckpt} has no manifest (saved before checkpoints were verified): loading it "
                         "unverified"
                     )
-                return Chosen(ckpt, step_of(ckpt), marker.world_size, marker.verifiable, tuple(map(Path, retire)))
+                return Chosen(
+                    ckpt, step_of(ckpt), marker.world_size, marker.verifiable, tuple(map(Path, retire)),
+                    damaged=tuple(damaged),
+                )  # fmt: skip
             tried.append(f"{ckpt.name}: {'; '.join(problems)}")
+            if ckpt.parent == self.folder:  # this run's own: never another run's folder
+                damaged.append(ckpt)
             if self.rank == 0:
                 self._warn(
                     f"checkpoint {ckpt} is damaged and is skipped: {'; '.join(problems)}"
@@ -481,6 +510,10 @@ class CheckpointManager:
         """
         self.wait()  # never read a checkpoint that is still being written
         chosen = checkpoint if checkpoint is not None else self.select(step=step, path=path)
+        if isinstance(state.get(MODEL_KEY), ModelState):
+            mismatch = model_mismatch(chosen.path, state[MODEL_KEY])  # the same on every rank: one metadata file
+            if mismatch:
+                raise CheckpointError(mismatch)
         own, error = None, None
         try:
             reader = SafeFileSystemReader(str(chosen.path))
@@ -496,6 +529,8 @@ class CheckpointManager:
             raise CheckpointError(f"loading checkpoint {chosen.path} failed{unverified}: {errors[0]}")
         if chosen.retire:
             self._retire(chosen)
+        if chosen.damaged and self.set_aside_damaged:
+            self._set_aside(chosen.damaged)
         return own
 
     # -- internals ------------------------------------------------------------------------------
@@ -603,6 +638,22 @@ class CheckpointManager:
             )
         self._barrier()
 
+    def _set_aside(self, damaged: tuple[Path, ...]) -> None:
+        """Rank 0 renames the damaged checkpoints a resume skipped to step-N.damaged (never deletes them), so
+        the run's next save of step N does not overwrite what someone may want to inspect or repair."""
+        if self.rank == 0:
+            for ckpt in damaged:
+                if not ckpt.exists():
+                    continue
+                target = ckpt.with_name(f"{ckpt.name}{DAMAGED_SUFFIX}")
+                n = 1
+                while target.exists():
+                    n += 1
+                    target = ckpt.with_name(f"{ckpt.name}{DAMAGED_SUFFIX}-{n}")
+                os.replace(ckpt, target)
+                self._warn(f"moved the damaged checkpoint {ckpt.name} aside to {target} (kept, not deleted)")
+        self._barrier()
+
     def _barrier(self) -> None:
         if self._group is not None:
             dist.barrier(group=self._group)
@@ -683,7 +734,7 @@ def _path_candidates(path: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights only: DCP model load, safetensors export and import
+# Weights only: a checkpoint's model, without the rest of its state
 # ---------------------------------------------------------------------------------------------
 
 
@@ -706,22 +757,35 @@ def _weights_dir(path_or_dir: str | Path) -> Path:
 
 
 @torch.no_grad()
-def load_model_only(model: nn.Module, path_or_dir: str | Path) -> Path:
+def checkpoint_problems(ckpt: Path) -> list[str]:
+    """What is wrong with a step directory, checked whole in this process: 'file: problem' each."""
+    marker = _marker_or_problem(ckpt)
+    return [f"{COMPLETE_NAME}: {marker}"] if isinstance(marker, str) else local_problems(ckpt, marker, 0, 1)
+
+
+def load_model_only(model: nn.Module, path_or_dir: str | Path, *, verified: bool = False) -> Path:
     """Load just the weights of a checkpoint into `model` (sharded or not); returns the dir read.
 
     `path_or_dir` is a step directory or a checkpoint folder (then its newest complete step). The
-    checkpoint is verified first (every file, on every rank: meant for one process, as in eval);
-    a damaged one is a CheckpointError naming the file, not a silent fallback. Optimizer and other
-    state in the checkpoint are not read. Collective under torch.distributed.
+    checkpoint is verified first (every file, on every rank: meant for one process, as in eval) unless
+    the caller has just done so (`verified`); a damaged one is a CheckpointError naming the file, not a
+    silent fallback. Optimizer and other state in the checkpoint are not read. Collective under
+    torch.distributed.
     """
     ckpt = _weights_dir(path_or_dir)
-    others = f"; complete checkpoints beside it: {_names(complete_steps(ckpt.parent))}"
-    marker = _marker_or_problem(ckpt)
-    problems = [f"{COMPLETE_NAME}: {marker}"] if isinstance(marker, str) else local_problems(ckpt, marker, 0, 1)
+    problems = [] if verified else checkpoint_problems(ckpt)
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt} is damaged: {'; '.join(problems)}{others}")
+        others = [s for s in complete_steps(ckpt.parent) if step_dir(ckpt.parent, s) != ckpt]
+        raise CheckpointError(
+            f"checkpoint {ckpt} is damaged: {'; '.join(problems)}; other complete checkpoints beside it: "
+            f"{_names(others)} (--step N chooses one)"
+        )
+    marker = _marker_or_problem(ckpt)
     if not marker.verifiable:
         warnings.warn(f"checkpoint {ckpt} has no manifest: loading it unverified", CheckpointWarning, stacklevel=2)
+    mismatch = model_mismatch(ckpt, ModelState(model))
+    if mismatch:
+        raise CheckpointError(mismatch)
     try:
         dcp.load(
             {MODEL_KEY: ModelState(model)}, storage_reader=SafeFileSystemReader(str(ckpt)), planner=SafeLoadPlanner()
@@ -729,54 +793,3 @@ def load_model_only(model: nn.Module, path_or_dir: str | Path) -> Path:
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"loading the weights of checkpoint {ckpt} failed: {_load_failure(e)}") from None
     return ckpt
-
-
-def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied weights, views): give each its own copy."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in state.items():
-        t = t.detach().cpu().contiguous()
-        storage = t.untyped_storage().data_ptr()
-        out[name] = t.clone() if storage in seen else t
-        seen.add(storage)
-    return out
-
-
-@torch.no_grad()
-def export_safetensors(model: nn.Module, path: str | Path, *, dtype: torch.dtype | None = None) -> Path | None:
-    """Write the full (unsharded) weights to one .safetensors file from rank 0.
-
-    Collective under FSDP2 (every rank takes part in gathering the shards); only rank 0 writes,
-    and returns the path (other ranks get None). `dtype` casts floating-point tensors, e.g. to bf16.
-    """
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if _global_rank() != 0:
-        return None
-    if dtype is not None:
-        full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(_unshared(full), str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
-    return path
-
-
-@torch.no_grad()
-def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = True) -> None:
-    """Load a .safetensors file of full weights into `model` (names as written by export_safetensors).
-
-    Meant for one device; under FSDP2 every rank reads the whole file and keeps its shards. The
-    format holds tensors only (no code); a damaged file or one for another model is a CheckpointError.
-    """
-    try:
-        full = load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path} does not exist") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable .safetensors file: {short_reason(e)}") from None
-    try:
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=strict))
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise CheckpointError(f"{path} does not fit the model (another config?): {short_reason(e)}") from None

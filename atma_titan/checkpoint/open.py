@@ -23,15 +23,17 @@ architecture it was trained with.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from atma_titan.checkpoint.manager import load_model_only, load_safetensors
+from atma_titan.checkpoint.manager import checkpoint_problems, load_model_only
+from atma_titan.checkpoint.weights import load_safetensors
 from atma_titan.config import JobConfig, load_config
 from atma_titan.data import check_vocab
-from atma_titan.data.tokenizer import build_tokenizer
+from atma_titan.data.tokenizer import available_tokenizers, build_tokenizer
 from atma_titan.checkpoint.errors import CheckpointError
 from atma_titan.hf.load import RUN_CONFIG, check_same_model, hf_step, is_hf_folder, load_hf_weights, read_hf_model_args
 from atma_titan.models import ATMA, ModelArgs, build_model, resolve_model_args
@@ -63,6 +65,7 @@ class ResolvedCheckpoint:
     step: int | None
     run_dir: Path  # the run's dump folder (default home of config.toml and eval/)
     config: Path | None  # the run's config.toml, if found
+    verified: bool = False  # checked against its manifest while resolving: the load need not hash it again
 
 
 def _config_near(*dirs: Path) -> Path | None:
@@ -78,12 +81,31 @@ def _from_folder(folder: Path, step: int | None, run_dir: Path, config: Path | N
     if step is None:
         if not steps:
             raise CheckpointError(f"no complete checkpoint (step-<n>/{COMPLETE_NAME}) under {folder}")
-        step = steps[-1]
-    elif step not in steps:
+        ckpt = _newest_sound(folder, steps)
+        return ResolvedCheckpoint(ckpt, "dcp", step_of(ckpt), run_dir, config, verified=True)
+    if step not in steps:
         raise CheckpointError(
             f"no complete checkpoint {step_dir(folder, step).name} under {folder}; complete checkpoints: {have}"
         )
     return ResolvedCheckpoint(step_dir(folder, step), "dcp", step, run_dir, config)
+
+
+def _newest_sound(folder: Path, steps: list[int]) -> Path:
+    """The newest step directory that verifies; a damaged one is skipped with a warning, as training does."""
+    skipped = []
+    for ckpt in (step_dir(folder, s) for s in reversed(steps)):
+        problems = checkpoint_problems(ckpt)
+        if not problems:
+            if skipped:
+                print(
+                    f"warning: skipped the damaged {' and '.join(skipped)}; using {ckpt.name} (--step N chooses "
+                    "another)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return ckpt
+        skipped.append(f"{ckpt.name} ({'; '.join(problems)})")  # newest first
+    raise CheckpointError(f"no checkpoint under {folder} verifies: {' | '.join(skipped)}")
 
 
 def resolve_checkpoint(path: str | Path, step: int | None = None) -> ResolvedCheckpoint:
@@ -151,7 +173,7 @@ def load_eval_model(args: ModelArgs, resolved: ResolvedCheckpoint, device: torch
     elif resolved.kind == "safetensors":
         load_safetensors(model, resolved.path)
     else:
-        load_model_only(model, resolved.path)
+        load_model_only(model, resolved.path, verified=resolved.verified)
     return model.eval()
 
 
@@ -162,18 +184,23 @@ class OpenCheckpoint:
     resolved: ResolvedCheckpoint
     cfg: JobConfig
     model_args: ModelArgs
-    tokenizer: object
+    tokenizer: object  # None when opened without it
 
 
-def open_checkpoint(path: str | Path, step: int | None = None, config: str | Path | None = None) -> OpenCheckpoint:
-    """Resolve `path`, read its run config, and build and check its tokenizer; loads no weights."""
+def open_checkpoint(
+    path: str | Path, step: int | None = None, config: str | Path | None = None, *, with_tokenizer: bool = True
+) -> OpenCheckpoint:
+    """Resolve `path`, read its run config, and build and check its tokenizer (unless `with_tokenizer` is False:
+    the export builds its own and exports without it when it cannot); loads no weights."""
     resolved = resolve_checkpoint(path, step)
     cfg = load_run_config(resolved, config)
     model_args = resolve_model_args(cfg.model)
-    if resolved.kind == "hf":  # its config.json is the model; its own tokenizer files, when it has them
+    if resolved.kind == "hf":  # its config.json is the model; its tokenizer.json, for a Hugging Face tokenizer
         check_same_model(model_args, read_hf_model_args(resolved.path), resolved.path, f"{resolved.config}")
-        if (resolved.path / "tokenizer.json").is_file():
-            cfg.data.tokenizer = str(resolved.path)
+        if (resolved.path / "tokenizer.json").is_file() and cfg.data.tokenizer not in available_tokenizers():
+            cfg.data.tokenizer = str(resolved.path)  # byte and gpt2 are built by name: the run's own decode
+    if not with_tokenizer:
+        return OpenCheckpoint(resolved, cfg, model_args, None)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     check_vocab(cfg.data.tokenizer, tokenizer.vocab_size, model_args.vocab_size)
     return OpenCheckpoint(resolved, cfg, model_args, tokenizer)

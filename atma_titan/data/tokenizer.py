@@ -4,6 +4,10 @@ Everything in atma_titan that needs a tokenizer depends only on the ``Tokenizer`
 protocol (``name``, ``vocab_size``, ``eot_id``, ``encode``, ``decode``); ``encode_batch``
 (a method on the built-in tokenizers, and a module function that falls back to a loop
 for any other tokenizer) encodes many documents at once where the backend is faster so.
+``decode_readable`` shows what ``decode`` hides: an id outside the tokenizer's vocabulary
+(the debug model's synthetic language uses ids 257-511 of a 512-id table), bytes that are
+not UTF-8 and control characters come out as ``<311>``, not as U+FFFD or raw; the
+byte-level tokenizers give it the bytes of each id (``token_bytes``).
 
 ``build_tokenizer(name)`` is the single entry point used by configs:
 
@@ -24,6 +28,8 @@ factory registered in ``_FACTORIES``.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 from typing import Callable, Iterable, Protocol, runtime_checkable
 
@@ -39,6 +45,8 @@ __all__ = [
     "build_tokenizer",
     "available_tokenizers",
     "encode_batch",
+    "decode_readable",
+    "known_eot_id",
     "load_hf_tokenizer_file",
     "load_hf_hub_tokenizer",
 ]
@@ -106,6 +114,12 @@ class ByteTokenizer:
                 buffer += _REPLACEMENT_UTF8
         return buffer.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes of one id: b"" for EOT (a document separator carries no text), None outside 0..256."""
+        if 0 <= token < 256:
+            return bytes((token,))
+        return b"" if token == self.eot_id else None
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=257, eot_id=256)"
 
@@ -153,6 +167,11 @@ class GPT2Tokenizer:
     def __init__(self, encoding=None):
         self._encoding = encoding if encoding is not None else _load_gpt2_encoding()
 
+    @property
+    def encoding(self):
+        """The tiktoken ``Encoding`` (the Hugging Face export rebuilds it as a tokenizer.json)."""
+        return self._encoding
+
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode(text, disallowed_special=())
 
@@ -168,6 +187,12 @@ class GPT2Tokenizer:
             elif token != self.eot_id:
                 pieces.append(_REPLACEMENT_UTF8)
         return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes of one id: b"" for EOT, None outside the vocabulary."""
+        if 0 <= token < self.eot_id:
+            return self._encoding.decode_single_token_bytes(token)
+        return b"" if token == self.eot_id else None
 
     def __repr__(self) -> str:
         return "GPT2Tokenizer(vocab_size=50257, eot_id=50256)"
@@ -195,6 +220,11 @@ class HFTokenizer:
         self.name = name
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eot_token, self.eot_id = _find_eot(tokenizer, name, eot_token)
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` it wraps (the Hugging Face export saves it as tokenizer.json)."""
+        return self._tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -283,6 +313,11 @@ def available_tokenizers() -> list[str]:
     return sorted(_FACTORIES)
 
 
+def known_eot_id(name: str) -> int | None:
+    """The end-of-text id of a registered tokenizer, known without building it (no files, no download)."""
+    return getattr(_FACTORIES.get(name), "eot_id", None)
+
+
 def _is_path_like(name: str) -> bool:
     return name.endswith(".json") or os.sep in name or "/" in name or name.startswith((".", "~")) or os.path.isdir(name)
 
@@ -314,3 +349,66 @@ def encode_batch(tokenizer: Tokenizer, texts: Iterable[str]) -> list[list[int]]:
     if batch is not None:
         return batch(texts)
     return [tokenizer.encode(text) for text in texts]
+
+
+# ---------------------------------------------------------------------------- readable decoding
+
+
+def decode_readable(tokenizer: Tokenizer, ids, *, final: bool = True) -> str:
+    """The text of `ids` with nothing hidden: what ``decode`` would turn into U+FFFD is shown as ``<id>``.
+
+    With a byte-level tokenizer (one with ``token_bytes``), runs of valid UTF-8 are text, and each id
+    outside the vocabulary, each id of a byte run that is not UTF-8, and each id holding a control
+    character other than tab and line ends (ESC would drive the terminal) is ``<id>``; EOT is dropped.
+    With ``final=False`` the ids that may still begin a character (its first bytes, the rest to come)
+    are left out rather than shown as ``<id>``, so the text of a growing list only ever grows. Any other
+    tokenizer shows the ids from ``vocab_size`` up as ``<id>`` and decodes the rest.
+    """
+    pieces, run = [], []
+    for token in _as_int_list(ids):
+        if _has_text(tokenizer, token):
+            run.append(token)
+        else:
+            pieces += [_readable_run(tokenizer, run, final=True), f"<{token}>"]
+            run = []
+    pieces.append(_readable_run(tokenizer, run, final))
+    return "".join(pieces)
+
+
+_CONTROL_BYTES = frozenset(range(32)) - {ord("\t"), ord("\n"), ord("\r")} | {127}  # never inside a UTF-8 character
+
+
+def _has_text(tokenizer: Tokenizer, token: int) -> bool:
+    token_bytes = getattr(tokenizer, "token_bytes", None)
+    if token_bytes is None:
+        return 0 <= token < tokenizer.vocab_size
+    data = token_bytes(token)
+    return data is not None and _CONTROL_BYTES.isdisjoint(data)
+
+
+def _readable_run(tokenizer: Tokenizer, run: list[int], final: bool) -> str:
+    """The text of ids in the vocabulary."""
+    if not hasattr(tokenizer, "token_bytes"):
+        text = tokenizer.decode(run)
+        return text if final else text.rstrip("\ufffd")  # an incomplete character: its next id completes it
+    return _utf8_text([(token, tokenizer.token_bytes(token)) for token in run if tokenizer.token_bytes(token)], final)
+
+
+def _utf8_text(run: list[tuple[int, bytes]], final: bool) -> str:
+    """(id, bytes) pairs as text: valid UTF-8 as text, each id holding bytes that are not as <id>."""
+    text = []
+    while run:
+        data = b"".join(piece for _, piece in run)
+        try:
+            text.append(data.decode("utf-8"))
+            break
+        except UnicodeDecodeError as error:
+            ends = list(itertools.accumulate(len(piece) for _, piece in run))
+            first = bisect.bisect_right(ends, error.start)  # the id holding the first bad byte
+            last = bisect.bisect_right(ends, error.end - 1)  # and the last
+            text.append(_utf8_text(run[:first], final=True))  # valid, unless a multi-byte id ends mid-character
+            if not final and error.end == len(data) and error.reason == "unexpected end of data":
+                break  # the start of a character: wait for the rest
+            text.extend(f"<{token}>" for token, _ in run[first : last + 1])
+            run = run[last + 1 :]
+    return "".join(text)

@@ -12,7 +12,7 @@ with `--generate`) and the length curve.
 * `corpus`: the passkey filler and long documents from the run's data (text, HF, .bin, synthetic);
 * `report`: results.json / results.md (percent tables) and the plots (torch-free);
 * `compare`: several results.json side by side, one table and one figure (`python -m
-  atma_titan.eval.compare`; torch-free);
+  atma_titan.compare`; torch-free);
 * `plots`: the needle and length-curve figures, one model or a sweep's many (torch-free);
 * `common`: the bad-input error and size parsing (torch-free);
 * `validation`: the validation loss and quick needle the trainer logs every `eval.interval` steps.

@@ -2,7 +2,7 @@
 
     python -m atma_titan.eval --checkpoint PATH [--config FILE.toml] [--step N] [--out DIR]
         [--gaps 2048,4096,...] [--depths 0,0.1,0.5,0.9] [--trials 20] [--seed 0] [--passkey]
-        [--haystack filler|data] [--records] [--generate] [--allow-concat] [--no-needle]
+        [--haystack filler|data] [--records | --text-needle] [--generate] [--allow-concat] [--no-needle]
         [--length-curve] [--lengths 2K,4K,...] [--documents 8]
         [--device auto] [--max-length 65536] [--batch-tokens N] [--attention-block N] [--name LABEL]
 
@@ -10,6 +10,11 @@ PATH: a DCP step directory, a run's checkpoint folder (its newest complete step,
 run's dump folder, or an exported .safetensors file. The model is built from the run's
 config.toml (or --config), unsharded on one device. Writes results.json, results.md, needle.png
 and length_curve.png to --out (default <run>/eval/). Bad input exits with status 2 and a message.
+
+Which needle: a model trained on the synthetic source (its config's data.source) gets --records at 1x, 4x
+and 16x its training length unless the command asks for the text needle (--text-needle, --passkey or
+--haystack data): the text needle's prose and digits are not its language. Any other model gets the text
+needle at 2K..64K. When the records needle is chosen so, the first line printed says it and why.
 
 The needle is teacher-forced by default: one greedy prediction per value digit with the true digits
 fed, plus its CE and the control's CE. `--generate` reads it the way passkeys usually are: the model is
@@ -36,35 +41,38 @@ from pathlib import Path
 import torch
 
 from atma_titan.data.synthetic import SyntheticSource
+from atma_titan.utils.cli import add_checkpoint_arguments, command, command_parser
 from atma_titan.utils.device import resolve_device
-from atma_titan.utils.errors import InputError
 from atma_titan.eval.common import EvalInputError, parse_sizes, size_label
 from atma_titan.eval.corpus import DocumentHaystack, FillerHaystack, LongDocuments, corpus_from_config
 from atma_titan.eval.length import length_curve, length_sequences
-from atma_titan.checkpoint.open import ResolvedCheckpoint, load_eval_model, open_checkpoint
+from atma_titan.checkpoint.open import OpenCheckpoint, ResolvedCheckpoint, load_eval_model, open_checkpoint
 from atma_titan.eval.needle import NEEDLE_SLACK, digit_tokens, run_needle
 from atma_titan.eval.records import run_records
 from atma_titan.eval.report import RESULT_UNITS, write_results
-from atma_titan.utils.known_warnings import silence_known_warnings
 from atma_titan.models import ModelArgs
 
-DEFAULT_GAPS = "2K,4K,8K,16K,32K,64K"
+DEFAULT_GAPS = "2K,4K,8K,16K,32K,64K"  # the text needle's
+# --records' default gaps, times the training length: at it, and well past it, where a model that learned
+# only to copy inside its training window fails (the README's debug check: 256, 1K, 4K)
+RECORDS_GAP_MULTIPLES = (1, 4, 16)
 DEFAULT_LENGTHS = "2K,4K,8K,16K,32K,64K"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m atma_titan.eval",
-        description="Induction needle (teacher-forced, or generated with --generate) and length curve of an ATMA "
+    p = command_parser(
+        "eval",
+        "Induction needle (teacher-forced, or generated with --generate) and length curve of an ATMA "
         "checkpoint (docs/model.md section 7).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--checkpoint", required=True, help="step dir, checkpoint folder, dump folder, or .safetensors")
-    p.add_argument("--config", help="the run's TOML config (default: config.toml of the run folder)")
-    p.add_argument("--step", type=int, help="checkpoint step to load from a folder (default: newest complete)")
+    add_checkpoint_arguments(p)
     p.add_argument("--out", help="output folder (default: <run>/eval)")
     p.add_argument("--name", help="label of this model in results and plots (default: the run folder's name)")
-    p.add_argument("--gaps", default=DEFAULT_GAPS, help="needle gaps in tokens, e.g. 2048,4096 or 2K,4K")
+    p.add_argument(
+        "--gaps",
+        help="needle gaps in tokens, e.g. 2048,4096 or 2K,4K (default: 2K..64K for the text needle; 1x, 4x and 16x "
+        "the training length for --records)",
+    )
     p.add_argument(
         "--depths",
         default="0",
@@ -78,7 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--records",
         action="store_true",
-        help="the needle in the built-in synthetic language (for models trained on data.source = synthetic)",
+        help="the needle in the built-in synthetic language (the default for a model trained on data.source = "
+        "synthetic)",
+    )
+    p.add_argument(
+        "--text-needle",
+        action="store_true",
+        help="the text needle even on a model trained on data.source = synthetic (whose default is --records)",
     )
     p.add_argument(
         "--generate",
@@ -112,9 +126,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Request:
     """The checked arguments: what to measure."""
 
-    gaps: list[int]  # [] without the needle
+    gaps: list[int]  # [] without the needle, or until chosen for the model (no --gaps)
     lengths: list[int]  # [] without the length curve
     depths: list[float]
+    records: bool = False  # the synthetic records needle, else the text needle
 
 
 def _check_sizes(sizes: list[int], what: str, max_length: int) -> None:
@@ -139,7 +154,7 @@ def _depths(text: str) -> list[float]:
 
 def check_arguments(args: argparse.Namespace) -> Request:
     needle_on = not args.no_needle
-    gaps = parse_sizes(args.gaps, "--gaps") if needle_on else []
+    gaps = parse_sizes(args.gaps, "--gaps") if needle_on and args.gaps is not None else []
     lengths = sorted(set(parse_sizes(args.lengths, "--lengths"))) if args.length_curve else []
     depths = _depths(args.depths)
     _check_sizes(gaps, "gap(s)", args.max_length)
@@ -154,7 +169,34 @@ def check_arguments(args: argparse.Namespace) -> Request:
         raise EvalInputError("--generate scores the needle: drop --no-needle, or --generate")
     if args.attention_block is not None and args.attention_block < 1:
         raise EvalInputError(f"--attention-block must be >= 1, got {args.attention_block}")
-    return Request(gaps, lengths, depths)
+    if args.records and args.text_needle:
+        raise EvalInputError("--records and --text-needle are two different needles: choose one")
+    return Request(gaps, lengths, depths, records=args.records)
+
+
+def choose_needle(args: argparse.Namespace, request: Request, cfg) -> tuple[Request, str | None]:
+    """The needle and gaps the command line left open, chosen for the model (`cfg`: its run config).
+
+    Returns the request and, when the records needle was chosen for the user, the line that says so."""
+    if args.no_needle:
+        return request, None
+    asks_text = args.text_needle or args.passkey or args.haystack == "data"
+    records = args.records or (cfg.data.source == "synthetic" and not asks_text)
+    gaps = request.gaps
+    seq_len = int(cfg.training.seq_len)
+    if args.gaps is None:
+        gaps = [m * seq_len for m in RECORDS_GAP_MULTIPLES] if records else parse_sizes(DEFAULT_GAPS)
+        gaps = [g for g in gaps if g <= args.max_length] or gaps[:1]
+        _check_sizes(gaps, "gap(s)", args.max_length)
+    chosen = dataclasses.replace(request, gaps=gaps, records=records)
+    if not records or args.records:
+        return chosen, None
+    multiples = ", ".join(f"{g / seq_len:g}x" for g in gaps)
+    return chosen, (
+        f"needle: --records at gaps {', '.join(map(size_label, gaps))} ({multiples} the training length "
+        f"{seq_len}): this model was trained on data.source = 'synthetic', not on text; add --text-needle for "
+        "the text needle"
+    )
 
 
 @dataclass
@@ -168,19 +210,19 @@ class Inputs:
     corpus: object  # a TokenCorpus, when the haystack or the length curve reads the run's data
 
 
-def open_inputs(args: argparse.Namespace, request: Request) -> Inputs:
-    """Checkpoint, config, tokenizer, digits and data are all checked before the model loads."""
-    opened = open_checkpoint(args.checkpoint, args.step, args.config)
+def open_inputs(args: argparse.Namespace, request: Request, opened: OpenCheckpoint) -> Inputs:
+    """Config, tokenizer, digits and data (of the OpenCheckpoint `opened`) are all checked before the model
+    loads."""
     resolved, cfg, tokenizer = opened.resolved, opened.cfg, opened.tokenizer
     model_args = opened.model_args
     if args.attention_block:  # a tiling choice of the reference kernel only
         model_args = dataclasses.replace(model_args, attention_block=args.attention_block)
-    if args.records and cfg.data.source != "synthetic":
+    if request.records and cfg.data.source != "synthetic":
         raise EvalInputError(
             f"--records probes the synthetic source's language; this run trained on "
             f"data.source = '{cfg.data.source}': use the text needle instead"
         )
-    if request.gaps and not args.records:
+    if request.gaps and not request.records:
         digit_tokens(tokenizer)  # raises on digits that are not single tokens
     corpus = None
     if args.haystack == "data" or request.lengths:
@@ -206,7 +248,7 @@ def needle_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
         from atma_titan.inference import cast_for_inference
 
         cast_for_inference(model, torch.bfloat16)  # as the generate command does; autocast computes in bf16 anyway
-    if args.records:
+    if request.records:
         source = SyntheticSource(
             inputs.model_args.vocab_size, eot_id=inputs.tokenizer.eot_id, seed=inputs.cfg.data.seed
         )
@@ -262,7 +304,11 @@ def length_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
 def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
     """Run the evaluation; returns (results in the results.json schema, output folder)."""
     request = check_arguments(args)
-    inputs = open_inputs(args, request)
+    opened = open_checkpoint(args.checkpoint, args.step, args.config)
+    request, chosen = choose_needle(args, request, opened.cfg)
+    if chosen:
+        print(chosen, flush=True)
+    inputs = open_inputs(args, request, opened)
     device = resolve_device(args.device, what="--device")
     began = time.perf_counter()
     model = load_eval_model(inputs.model_args, inputs.resolved, device)
@@ -286,15 +332,11 @@ def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
     return results, (Path(args.out) if args.out else resolved.run_dir / "eval")
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    silence_known_warnings()
     began = time.perf_counter()
-    try:
-        results, out_dir = evaluate(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    results, out_dir = evaluate(args)
     for path in write_results(results, out_dir).values():
         print(f"wrote {path}")
     print(f"evaluated {results['name']} in {time.perf_counter() - began:.1f} s", flush=True)

@@ -5,7 +5,11 @@
   `AtmaCache`, the generation cache (KV pages, conv and memory states) that `generate()` carries.
 - export.py: write the folder (weights, config, generation config, tokenizer, model card, code shims).
 - load.py: read such a folder back (model args, full weights) for training and evaluation; no transformers needed.
+- card.py: the exported folder's README.md (the model card).
+- tokenizer.py: the run's tokenizer (byte, gpt2 through tiktoken, or a Hugging Face one) as the folder's
+  tokenizer.json, tokenizer_config.json and special_tokens_map.json, which AutoTokenizer loads.
 
-configuration.py and modeling.py make their transformers subclasses on first use (`from
-atma_titan.hf.modeling import AtmaForCausalLM`), so every module here imports without the `hf` extra.
+configuration.py and modeling.py subclass transformers' classes, so they import transformers (the `hf`
+extra): without it, importing them is a one-line error naming the extra. export.py imports them inside
+`export_hf`, so the rest of the package, and every other module here, imports without the extra.
 """

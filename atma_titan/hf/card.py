@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from atma_titan.config import JobConfig
-from atma_titan.data.tokenizer import HFTokenizer
+from atma_titan.hf.tokenizer import TokenizerExport
 from atma_titan.models import ModelArgs
 from atma_titan.run.folder import METRICS_NAME, read_metrics
 
@@ -32,18 +32,20 @@ def training_summary(cfg: JobConfig, step: int | None, run_dir: str | Path | Non
     return lines or ["- no training record found (no metrics.jsonl beside the checkpoint)"]
 
 
-def _tokenizer_section(cfg: JobConfig, tokenizer) -> str:
-    name = cfg.data.tokenizer
-    if isinstance(tokenizer, HFTokenizer):
+def _tokenizer_section(tokenizer: TokenizerExport) -> str:
+    name = tokenizer.name
+    if tokenizer.backend is not None:
         return (
-            f"The tokenizer ({name!r}) is in this folder (tokenizer.json): "
-            "`AutoTokenizer.from_pretrained(folder)` loads it; its end-of-text token "
-            f"{tokenizer.eot_token!r} (id {tokenizer.eot_id}) separates documents and ends generation.\n"
+            f"The run's tokenizer ({name!r}) is in this folder (tokenizer.json; the same ids as atma_titan's): "
+            "`AutoTokenizer.from_pretrained(folder, trust_remote_code=True)` loads it (without the flag transformers "
+            "asks whether to run the folder's model code), and lm-eval's `hf` model takes the folder as it is "
+            "(`lm_eval run --model hf --model_args pretrained=folder,trust_remote_code=True`). Its end-of-text "
+            f"token {tokenizer.eot_token!r} (id {tokenizer.eot_id}) separates documents and ends generation.\n"
         )
     return (
-        f"**`AutoTokenizer` cannot load this model's tokenizer**: it is atma_titan's {name!r} tokenizer "
-        f"(vocabulary {tokenizer.vocab_size}, end-of-text id {tokenizer.eot_id}), which has no Hugging Face "
-        "tokenizer files. Tokenize with atma_titan:\n\n"
+        f"**This folder has no tokenizer files, so `AutoTokenizer` cannot load the model's tokenizer** "
+        f"(when it was written: {tokenizer.missing}). Export again where tokenizer {name!r} builds "
+        "(`python -m atma_titan.export --checkpoint RUN --out folder`) to add them, or tokenize with atma_titan:\n\n"
         "```python\n"
         "from atma_titan.data.tokenizer import build_tokenizer\n"
         f"tokenizer = build_tokenizer({name!r})\n"
@@ -56,7 +58,7 @@ def _tokenizer_section(cfg: JobConfig, tokenizer) -> str:
 def model_card(
     cfg: JobConfig,
     args: ModelArgs,
-    tokenizer,
+    tokenizer: TokenizerExport,
     *,
     step: int | None = None,
     run_dir: str | Path | None = None,
@@ -89,7 +91,7 @@ def model_card(
             "",
             "## Tokenizer",
             "",
-            _tokenizer_section(cfg, tokenizer),
+            _tokenizer_section(tokenizer),
             "## Training",
             "",
             *training_summary(cfg, step, run_dir),

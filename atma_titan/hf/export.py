@@ -5,18 +5,19 @@
     modeling_atma.py            definition, not a copy; atma_titan must be installed)
     model.safetensors           the weights (sharded with model.safetensors.index.json above MAX_SHARD)
     generation_config.json      eos = the tokenizer's end-of-text id
-    tokenizer.json, tokenizer_config.json    when the tokenizer is a Hugging Face one
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                                the run's tokenizer for AutoTokenizer (hf/tokenizer.py), when it builds here
     training_config.toml        the run's resolved config (eval and generate read it)
     README.md                   the model card: the config, tokens seen, final losses, how to tokenize
 
-Collective under FSDP2 (every rank gathers the full weights); rank 0 writes.
+Collective under FSDP2 (every rank gathers the full weights); rank 0 writes. A tokenizer that cannot be
+built here (gpt2 offline) does not stop the export: it is one warning line saying how to add it.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -24,10 +25,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from atma_titan.config import JobConfig
-from atma_titan.data.tokenizer import HFTokenizer, build_tokenizer
+from atma_titan.utils.atomic import write_dir_atomic
 from atma_titan.utils.errors import import_optional
 from atma_titan.hf.card import model_card
 from atma_titan.hf.load import PREFIX, RUN_CONFIG
+from atma_titan.hf.tokenizer import TokenizerExport, prepare_tokenizer
 from atma_titan.models import ModelArgs
 
 __all__ = ["MAX_SHARD", "export_hf"]
@@ -81,12 +83,7 @@ def export_hf(
     from atma_titan.hf.modeling import AtmaForCausalLM
 
     args = args or model.args
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-
+    tokenizer = prepare_tokenizer(cfg.data.tokenizer)
     config = AtmaConfig.from_model_args(args, auto_map=AUTO_MAP, eos_token_id=tokenizer.eot_id, training_step=step)
     with torch.device("meta"):
         hf_model = AtmaForCausalLM(config)
@@ -95,36 +92,40 @@ def export_hf(
     hf_model.generation_config = transformers.GenerationConfig(
         eos_token_id=tokenizer.eot_id, pad_token_id=tokenizer.eot_id
     )
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar in a training log
-    try:
-        hf_model.save_pretrained(tmp, max_shard_size=max_shard_size)
-    finally:
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-    config_json = json.loads((tmp / "config.json").read_text())
-    config_json["auto_map"] = AUTO_MAP  # whatever save_pretrained made of it
-    (tmp / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
 
-    for file, (module, name) in SHIMS.items():
-        (tmp / file).write_text(_shim(module, name))
-    if isinstance(tokenizer, HFTokenizer):
-        _write_hf_tokenizer(tokenizer, tmp)
-    (tmp / RUN_CONFIG).write_text(cfg.to_toml())
-    (tmp / "README.md").write_text(model_card(cfg, args, tokenizer, step=step, run_dir=run_dir, dtype=dtype))
+    def fill(folder: Path) -> None:
+        _save_model(transformers, hf_model, folder, max_shard_size)
+        for file, (module, name) in SHIMS.items():
+            (folder / file).write_text(_shim(module, name))
+        tokenizer.write(folder)
+        (folder / RUN_CONFIG).write_text(cfg.to_toml())
+        (folder / "README.md").write_text(model_card(cfg, args, tokenizer, step=step, run_dir=run_dir, dtype=dtype))
 
-    if out.exists():  # replace a previous export whole: no stale shards
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    out = Path(out)
+    write_dir_atomic(out, fill, durable=True)  # a previous export is replaced whole: no stale shards
+    if tokenizer.backend is None:
+        print(_no_tokenizer_warning(tokenizer, out, step, run_dir, dtype), file=sys.stderr, flush=True)
     return out
 
 
-def _write_hf_tokenizer(tokenizer: HFTokenizer, folder: Path) -> None:
-    """tokenizer.json and a tokenizer_config.json that AutoTokenizer reads (a fast tokenizer, eos = EOT)."""
-    tokenizer._tokenizer.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": tokenizer.eot_token,
-        "clean_up_tokenization_spaces": False,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+def _no_tokenizer_warning(tokenizer: TokenizerExport, out: Path, step, run_dir, dtype) -> str:
+    again = f"python -m atma_titan.export --checkpoint {run_dir or out} --out {out}"
+    again += (f" --step {step}" if step is not None else "") + (" --dtype bf16" if dtype == torch.bfloat16 else "")
+    return (
+        f"warning: no tokenizer files in {out} (AutoTokenizer and lm-eval's hf model need them): "
+        f"{tokenizer.missing}; to add them, run `{again}` where tokenizer {tokenizer.name!r} builds"
+    )
+
+
+def _save_model(transformers, hf_model, folder: Path, max_shard_size: str | int) -> None:
+    """save_pretrained's weights, config.json (with our auto_map) and generation_config.json, with no progress bar."""
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar in a training log
+    try:
+        hf_model.save_pretrained(folder, max_shard_size=max_shard_size)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    config_json = json.loads((folder / "config.json").read_text())
+    config_json["auto_map"] = AUTO_MAP  # whatever save_pretrained made of it
+    (folder / "config.json").write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")

@@ -9,7 +9,9 @@ folder, an exported .safetensors file). Tasks are the harness's names (or glob p
 the task YAMLs under --include-path. Runs `lm_eval.simple_evaluate` with the "atma_titan" model,
 prints the harness's results table and writes results.json (and with --log-samples one
 samples_<task>.jsonl per task) to --out (default <run>/lm_eval/). Bad input (a missing checkpoint,
-an unknown task: the message lists close matches) exits with status 2 and a message.
+an unknown task: the message lists close matches) exits with status 2 and a message, as does a task
+whose Hugging Face data set is neither cached nor downloadable: when the Hub does not answer (or
+HF_HUB_OFFLINE=1), the tasks read the local cache only, at once (atma_titan.lm_eval.offline).
 """
 
 from __future__ import annotations
@@ -21,20 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+from atma_titan.utils.cli import add_checkpoint_arguments, command, command_parser
 from atma_titan.utils.errors import InputError, import_optional
-from atma_titan.utils.known_warnings import silence_known_warnings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m atma_titan.lm_eval",
-        description="Evaluate an ATMA checkpoint on lm-evaluation-harness tasks (model 'atma_titan').",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--checkpoint", required=True, help="step dir, checkpoint folder, run folder, or .safetensors")
+    p = command_parser("lm_eval", "Evaluate an ATMA checkpoint on lm-evaluation-harness tasks (model 'atma_titan').")
+    add_checkpoint_arguments(p)
     p.add_argument("--tasks", required=True, help="comma-separated task names or glob patterns")
-    p.add_argument("--config", help="the run's TOML config (default: config.toml of the run folder)")
-    p.add_argument("--step", type=int, help="checkpoint step to load from a folder (default: newest complete)")
     p.add_argument("--limit", type=float, help="examples per task (a fraction if < 1); for quick checks")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt (default: the task's)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass and decoded at once")
@@ -47,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--metadata",
-        help='JSON object passed to the tasks, e.g. \'{"max_seq_lengths": [4096, 8192]}\' for RULER; its "tokenizer" '
-        "(the Hugging Face tokenizer RULER sizes its prompts with) defaults to the run's hf:<id> tokenizer",
+        help='JSON object passed to the tasks, e.g. \'{"max_seq_lengths": [4096, 8192]}\' for RULER (default: none; '
+        'its "tokenizer", the Hugging Face tokenizer RULER sizes its prompts with, is the run\'s hf:<id> tokenizer '
+        "unless given)",
     )
     p.add_argument("--out", help="output folder (default: <run>/lm_eval)")
     p.add_argument("--log-samples", action="store_true", help="also write every example's prompt and outputs")
@@ -139,6 +136,7 @@ def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
 
     from atma_titan.checkpoint.open import open_checkpoint
     from atma_titan.lm_eval.adapter import register
+    from atma_titan.lm_eval.offline import hub_or_cache, missing_task_data
     from atma_titan.lm_eval.scorer import AtmaScorer
 
     setup_logging()  # the harness's progress lines, as its own command prints them
@@ -160,34 +158,37 @@ def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
         flush=True,
     )
     lm = register()(scorer=scorer)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        device=str(scorer.device),
-        limit=int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit,
-        bootstrap_iters=args.bootstrap_iters,
-        log_samples=args.log_samples,
-        task_manager=task_manager,
-        random_seed=args.seed,
-        numpy_random_seed=args.seed,
-        torch_random_seed=args.seed,
-        fewshot_random_seed=args.seed,
-    )
+    with hub_or_cache() as offline:  # offline, the tasks read the cache at once (no 40 s of retries)
+        try:
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=tasks,
+                num_fewshot=args.num_fewshot,
+                batch_size=args.batch_size,
+                device=str(scorer.device),
+                limit=int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit,
+                bootstrap_iters=args.bootstrap_iters,
+                log_samples=args.log_samples,
+                task_manager=task_manager,
+                random_seed=args.seed,
+                numpy_random_seed=args.seed,
+                torch_random_seed=args.seed,
+                fewshot_random_seed=args.seed,
+            )
+        except Exception as error:
+            problem = missing_task_data(error, offline)
+            if problem is None:
+                raise
+            raise InputError(problem) from None
     results["config"]["model_args"] = {"checkpoint": str(args.checkpoint), "step": opened.resolved.step}
     return results, (Path(args.out) if args.out else opened.resolved.run_dir / "lm_eval")
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    silence_known_warnings()
     began = time.perf_counter()
-    try:
-        results, out_dir = evaluate(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    results, out_dir = evaluate(args)
     from lm_eval.utils import make_table
 
     table = make_table(results)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from atma_titan.utils.errors import InputError
+from atma_titan.utils.cli import HelpFormatter, command, command_parser
 from atma_titan.sweep.budget import budget_report, estimate, plan_cells, read_throughput
 from atma_titan.sweep.collect import collect, list_cells
 from atma_titan.sweep.local import run_sweep
@@ -36,8 +36,7 @@ COMMAND_LINE_OPTIONS = ("--eval-args", "--launcher", "--sbatch-args")
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The options every command shares: the sweep folder and the plan."""
-    # SUPPRESS: a required option has no default worth showing in --help
-    p.add_argument("--out", required=True, default=argparse.SUPPRESS, help="the sweep folder (sweep.json, cells/)")
+    p.add_argument("--out", required=True, help="the sweep folder (sweep.json, cells/)")
     p.add_argument("--base", help="base TOML config of every cell (omit to use the plan in sweep.json)")
     p.add_argument(
         "--factor",
@@ -56,8 +55,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--eval-args",
-        help='extra arguments of the eval command, e.g. "--gaps 2048,4096 --records" (the sweep passes --trials 256 '
-        "first; a --trials here replaces it)",
+        help='extra arguments of the eval command, e.g. "--gaps 2048,4096 --records" (the sweep adds --trials 256 '
+        "unless they set --trials)",
     )
     p.add_argument(
         "--skip-invalid",
@@ -95,17 +94,14 @@ def add_command_options(name: str, p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m atma_titan.sweep",
-        description="Ablation sweeps: a factorial over config keys, each cell trained and evaluated.",
+    parser = command_parser(
+        "sweep",
+        "Ablation sweeps: a factorial over config keys, each cell trained and evaluated.",
         epilog="The command defaults to run. Run `python -m atma_titan.sweep COMMAND -h` for its options.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, help_text in COMMANDS.items():
-        p = sub.add_parser(
-            name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-        )
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         add_plan_options(p)
         add_command_options(name, p)
     return parser
@@ -199,11 +195,9 @@ RUNNERS = {
 }
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 all requested cells finished, 1 some cell failed, 2 a bad plan or option."""
+    """Exit status: 0 all requested cells finished, 1 some cell failed, 2 a bad plan or option (SweepError, and
+    the loader's and eval report's bad-input errors)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        return RUNNERS[args.command](args)
-    except InputError as e:  # SweepError, and the loader's and eval report's bad-input errors
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return RUNNERS[args.command](args)

@@ -19,9 +19,10 @@ from pathlib import Path
 from atma_titan.sweep.cells import EVAL_LOG, TRAIN_LOG, CellFolder
 from atma_titan.sweep.collect import collect
 from atma_titan.sweep.plan import Cell, Plan, SweepError, config_argv
+from atma_titan.sweep import progress
 
 LOG_TAIL_LINES = 40
-# Needle / records trials per gap and depth unless --eval-args sets --trials: at 256 the binomial
+# Needle / records trials per gap and depth unless --eval-args set --trials: at 256 the binomial
 # standard error of a recall is at most 3.1 points (at 20, the eval's own default, 11), so that a
 # cell's number does not move by tens of points with the evaluation seed.
 EVAL_TRIALS = 256
@@ -84,12 +85,12 @@ def train_command(plan: Plan, cell: Cell, out: Path, launcher: str | None) -> li
 
 def eval_command(plan: Plan, cell: Cell, out: Path) -> list[str]:
     folder = CellFolder.of(out, cell)
-    # The sweep's own arguments first, so that --eval-args can add to them (and override --trials:
-    # the last occurrence of an option wins).
+    extra = shlex.split(plan.eval_args)
     argv = [sys.executable, "-m", "atma_titan.eval", "--checkpoint", absolute(folder.run_dir)]
-    argv += ["--out", absolute(folder.eval_dir), "--name", cell.name, "--trials", str(EVAL_TRIALS)]
-    argv += shlex.split(plan.eval_args)
-    return Command(argv, cwd=plan.workdir)
+    argv += ["--out", absolute(folder.eval_dir), "--name", cell.name]
+    if not any(a == "--trials" or a.startswith("--trials=") for a in extra):  # one --trials in the logged command
+        argv += ["--trials", str(EVAL_TRIALS)]
+    return Command(argv + extra, cwd=plan.workdir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,13 +157,15 @@ def train_cell(plan: Plan, cell: Cell, out: Path, tag: str, launcher: str | None
     folder.results.unlink(missing_ok=True)  # the weights will change: an old evaluation is stale
     resume = folder.latest_checkpoint_step()
     print(f"{tag}: training{f' (resuming from step {resume})' if resume else ''} ...", flush=True)
-    ok, message = run_stage(
-        "train",
-        train_command(plan, cell, out, launcher),
-        folder,
-        TRAIN_LOG,
-        lambda: None if folder.trained() else "stopped before the last step (no run/DONE)",
-    )
+    watch = progress.TrainProgress(folder.run, lambda line: print(f"{tag}: {line}", flush=True))
+    with progress.Every(watch.poll, progress.PROGRESS_INTERVAL_S):
+        ok, message = run_stage(
+            "train",
+            train_command(plan, cell, out, launcher),
+            folder,
+            TRAIN_LOG,
+            lambda: None if folder.trained() else "stopped before the last step (no run/DONE)",
+        )
     if not ok:
         return report_failure(tag, message)
     last = folder.final_train_metrics()

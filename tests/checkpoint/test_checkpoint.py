@@ -19,14 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from atma_titan.checkpoint.manager import (
-    CheckpointManager,
-    export_safetensors,
-    load_model_only,
-    load_safetensors,
-    model_state,
-    optimizer_state,
-)
+from atma_titan.checkpoint.manager import CheckpointManager, load_model_only, model_state, optimizer_state
+from atma_titan.checkpoint.weights import export_safetensors, load_safetensors
 from atma_titan.run.folder import COMPLETE_NAME as MARKER
 
 REPO = Path(__file__).resolve().parents[2]
@@ -298,6 +292,36 @@ def test_safetensors_export_and_load(tmp_path):
     assert fresh_tied.head.weight is fresh_tied.embed.weight
 
 
+@pytest.fixture
+def synced(monkeypatch):
+    """The paths os.fsync is called on, in order."""
+    paths: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (paths.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    return paths
+
+
+def test_exported_weights_are_world_readable_and_synced(tmp_path, synced):
+    """safetensors' save_file makes its file 0o600; the export gets a plain file's mode, synced to the disk."""
+    old = os.umask(0o022)
+    try:
+        path = export_safetensors(Job().model, tmp_path / "model.safetensors")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert [Path(p).name.startswith(".model.safetensors.") for p in synced] == [True, False]  # file, then folder
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_marker_and_rank_files_are_synced_before_the_save_returns(tmp_path, synced):
+    job = Job()
+    job.step(0)
+    CheckpointManager(tmp_path).save(1, job.state(), {"r": 1})
+    names = [Path(p).name for p in synced]
+    assert any(n.startswith(".rank-0.pt.") for n in names) and any(n.startswith(f".{MARKER}.") for n in names)
+    assert names[-1] == "step-1"  # the folder, once COMPLETE is in it
+
+
 def test_async_save_completes_on_wait_next_save_and_close(tmp_path):
     job = Job()
     job.step(0)
@@ -386,9 +410,8 @@ WORKER = textwrap.dedent('''
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from atma_titan.checkpoint.manager import (
-        CheckpointManager, export_safetensors, load_model_only, load_safetensors, model_state, optimizer_state,
-    )
+    from atma_titan.checkpoint.manager import CheckpointManager, load_model_only, model_state, optimizer_state
+    from atma_titan.checkpoint.weights import export_safetensors, load_safetensors
     from atma_titan.run.folder import COMPLETE_NAME as MARKER
 
 

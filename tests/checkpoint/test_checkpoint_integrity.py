@@ -27,6 +27,7 @@ from atma_titan.checkpoint.manager import (
     optimizer_state,
 )
 from atma_titan.checkpoint.manifest import files_on_disk, hash_file, read_marker
+from atma_titan.run.folder import complete_steps
 from atma_titan.utils.errors import InputError
 
 # DCP's note that it runs in one process without torch.distributed: intended here.
@@ -437,6 +438,29 @@ def test_no_checkpoint_that_verifies_exits_2(small_run, tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     assert f"error: no checkpoint under {copy / 'checkpoints'} verifies; tried step-2: __0_0.distcp: xxh3_64" in err
     assert f"warning: checkpoint {copy / 'checkpoints' / 'step-2'} is damaged and is skipped" in err
+
+
+def test_a_resume_sets_a_damaged_checkpoint_aside_and_never_overwrites_it(small_run, tmp_path, capsys):
+    folder, args = small_run
+    copy = tmp_path / "run"
+    shutil.copytree(folder, copy)
+    ckpts = copy / "checkpoints"
+    damage(ckpts / "step-2" / "__0_0.distcp", "flip")
+    damaged = {p.name: p.read_bytes() for p in (ckpts / "step-2").rglob("*") if p.is_file()}
+    code, err = main_exit([*args, "--job.dump_folder", str(copy), "--training.steps", "3"], capsys)
+    assert code == 0, err
+    aside = ckpts / "step-2.damaged"
+    assert f"moved the damaged checkpoint step-2 aside to {aside} (kept, not deleted)" in err
+    assert {p.name: p.read_bytes() for p in aside.rglob("*") if p.is_file()} == damaged  # as it was
+    assert complete_steps(ckpts) == [1, 2, 3]  # step 2 trained again and saved in a directory of its own
+    # A second damaged step-2 goes beside the first, which stays.
+    (copy / "DONE").unlink()
+    damage(ckpts / "step-3" / "__0_0.distcp", "flip")
+    damage(ckpts / "step-2" / "__0_0.distcp", "flip")
+    code, err = main_exit([*args, "--job.dump_folder", str(copy), "--training.steps", "3"], capsys)
+    assert code == 0, err
+    assert (ckpts / "step-2.damaged-2").is_dir() and (ckpts / "step-3.damaged").is_dir()
+    assert {p.name: p.read_bytes() for p in aside.rglob("*") if p.is_file()} == damaged
 
 
 @pytest.mark.slow

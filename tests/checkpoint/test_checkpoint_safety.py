@@ -125,7 +125,7 @@ def test_metadata_unpickler_admits_dcp_types_and_nothing_else(tmp_path):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """What a run folder holds for eval and generate: config.toml, checkpoints step-1 and step-2, model.safetensors."""
-    from atma_titan.checkpoint.manager import export_safetensors
+    from atma_titan.checkpoint.weights import export_safetensors
     from atma_titan.models import build_model, resolve_model_args
 
     dump = tmp_path_factory.mktemp("run")
@@ -151,10 +151,14 @@ def damaged_copy(run_dir: Path, tmp_path: Path, case: str) -> tuple[Path, str]:
     if case == "no_metadata":
         (step / ".metadata").unlink()
         return step, f"checkpoint {step} is damaged: .metadata: missing"
-    data = bytearray((step / "__0_0.distcp").read_bytes())
+    flip_a_bit(step / "__0_0.distcp")
+    return step, f"checkpoint {step} is damaged: __0_0.distcp: xxh3_64"
+
+
+def flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
-    (step / "__0_0.distcp").write_bytes(bytes(data))
-    return run, f"checkpoint {step} is damaged: __0_0.distcp: xxh3_64"
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("command", ["eval", "generate"])
@@ -171,4 +175,25 @@ def test_eval_and_generate_exit_2_on_damaged_weights(run_dir, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err, err
     if case == "damaged":
-        assert "complete checkpoints beside it: step-1, step-2" in err  # what --step could pick instead
+        assert "other complete checkpoints beside it: step-1 (--step N chooses one)" in err  # what --step could pick
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_eval_and_generate_on_a_folder_skip_its_damaged_newest_checkpoint_as_training_does(
+    run_dir, tmp_path, capsys, command
+):
+    from atma_titan.eval.__main__ import main as eval_main
+    from atma_titan.generate import main as generate_main
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    flip_a_bit(run / "checkpoints" / "step-2" / "__0_0.distcp")
+    (run / "model.safetensors").unlink()
+    if command == "eval":
+        code = eval_main(["--checkpoint", str(run), "--trials", "1", "--records", "--gaps", "32", "--out",
+                          str(tmp_path / "out")])  # fmt: skip
+    else:
+        code = generate_main(["--checkpoint", str(run), "--prompt", "x", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "warning: skipped the damaged step-2 (__0_0.distcp: xxh3_64" in err and "using step-1" in err

@@ -45,7 +45,7 @@ from atma_titan.checkpoint.errors import CheckpointError
 from atma_titan.checkpoint.open import resolve_checkpoint
 from atma_titan.eval import corpus as corpus_module
 from atma_titan.eval.__main__ import main as eval_main
-from atma_titan.eval.compare import main as compare_main
+from atma_titan.compare import main as compare_main
 from atma_titan.eval.corpus import DocumentHaystack, TokenCorpus, shard_documents, text_documents
 from atma_titan.eval.needle import ACCESS_CUE, PASSKEY_CUE
 from atma_titan.eval.plots import dodge_factors, needle_figure, needle_panels
@@ -622,8 +622,8 @@ def test_command_on_the_exported_safetensors(run_dir, tmp_path):
 def test_command_generate_on_the_text_needle(run_dir, tmp_path):
     out = tmp_path / "gen"
     proc = run_eval(
-        "--checkpoint", str(run_dir), "--gaps", "64,128", "--trials", "3", "--depths", "0,0.5", "--generate",
-        "--out", str(out),
+        "--checkpoint", str(run_dir), "--text-needle", "--gaps", "64,128", "--trials", "3", "--depths", "0,0.5",
+        "--generate", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "needle (generated, greedy free-running): 1 variant(s)" in proc.stdout

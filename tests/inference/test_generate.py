@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,18 @@ def test_text_stream_holds_back_incomplete_characters(capsys):
     assert out.getvalue() == "é!"
 
 
+def test_text_stream_shows_ids_without_text():
+    import io
+
+    from atma_titan.data.tokenizer import ByteTokenizer
+
+    out = io.StringIO()
+    stream = TextStream(ByteTokenizer(), out)
+    for token in [ord("a"), 311, 0xE2, 0x82, ord("b"), 256]:
+        stream.add(token, final=token == 256)
+    assert out.getvalue() == "a<311><226><130>b"
+
+
 # ---------------------------------------------------------------------------------------------
 # The command on a debug checkpoint
 
@@ -210,6 +223,29 @@ def test_command_streams_one_prompt(run_dir, capsys):
     out, err = capsys.readouterr()
     assert "7 tokens in" in err and "finished: length" in err
     assert out.endswith("\n") and len(out) > 1
+
+
+SYNTHETIC_ID = re.compile(r"<(25[7-9]|2[6-9][0-9]|[34][0-9][0-9]|50[0-9]|51[01])>")  # ids 257-511 of the debug model
+
+
+def test_command_shows_the_debug_models_ids_and_prints_them_with_show_ids(run_dir, tmp_path, capsys):
+    """The debug model writes its synthetic language (ids 257-511, beyond the byte tokenizer): <id>, not U+FFFD."""
+    from atma_titan.data.tokenizer import ByteTokenizer, decode_readable
+
+    argv = ["--checkpoint", str(run_dir), "--max-new-tokens", "32", "--temperature", "1", "--top-k", "0"]
+    assert main([*argv, "--prompt", "abc", "--show-ids"]) == 0
+    text, ids_line = capsys.readouterr().out.rstrip("\n").split("\n")[-2:]
+    assert SYNTHETIC_ID.search(text) and "\ufffd" not in text
+    assert ids_line.startswith("ids: ")
+    ids = [int(i) for i in ids_line.split()[1:]]
+    assert len(ids) <= 32 and all(0 <= i < 512 for i in ids) and any(i >= 257 for i in ids)
+    assert text == decode_readable(ByteTokenizer(), ids)
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text('"abc"\n"xyz"\n')
+    assert main([*argv, "--prompts", str(prompts), "--out", str(out), "--show-ids"]) == 0
+    for row in map(json.loads, out.read_text().splitlines()):
+        assert "\ufffd" not in row["text"] and len(row["ids"]) == row["new_tokens"]
+        assert row["text"] == decode_readable(ByteTokenizer(), row["ids"])
 
 
 def untied_copy(run_dir: Path, folder: Path) -> Path:

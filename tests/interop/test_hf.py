@@ -30,6 +30,7 @@ from atma_titan.export import main as export_main  # noqa: E402
 from atma_titan.hf.export import export_hf  # noqa: E402
 from atma_titan.hf.load import load_hf_weights, read_hf_model_args  # noqa: E402
 from atma_titan.hf.modeling import AtmaForCausalLM  # noqa: E402
+from atma_titan.hf.tokenizer import TOKENIZER_FILES  # noqa: E402
 from atma_titan.inference import Generator, Request  # noqa: E402
 from atma_titan.models import build_model  # noqa: E402
 
@@ -119,9 +120,9 @@ def test_folder_holds_config_weights_generation_config_shims_and_card(run_dir):
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 256  # byte EOT
     assert "from atma_titan.hf.modeling import AtmaForCausalLM" in (folder / "modeling_atma.py").read_text()
     card = (folder / "README.md").read_text()
-    assert "AutoTokenizer` cannot load" in card and "build_tokenizer('byte')" in card
+    assert "The run's tokenizer ('byte') is in this folder" in card and "AutoTokenizer.from_pretrained(folder" in card
     assert "tokens seen: 256" in card and "final train loss" in card and "[model]" in card
-    assert not (folder / "tokenizer.json").exists()
+    assert all((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 @pytest.mark.slow
@@ -154,7 +155,7 @@ def test_fresh_interpreter_loads_the_folder_with_automodel(run_dir):
 
 def test_hf_tokenizer_goes_into_the_folder(tmp_path):
     pytest.importorskip("tokenizers")
-    from test_tokenizers import train_bpe
+    from bpe import train_bpe
     from transformers import AutoTokenizer
 
     from atma_titan.data.tokenizer import build_tokenizer
@@ -166,7 +167,161 @@ def test_hf_tokenizer_goes_into_the_folder(tmp_path):
     assert theirs(text)["input_ids"] == ours.encode(text)
     assert theirs.eos_token == "<|endoftext|>" and theirs.eos_token_id == ours.eot_id
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == ours.eot_id
-    assert "AutoTokenizer.from_pretrained(folder)" in (out / "README.md").read_text()
+    assert "AutoTokenizer.from_pretrained(folder, trust_remote_code=True)" in (out / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer files: AutoTokenizer and lm-eval's hf model load the folder as it is, offline
+
+TOKENIZER_TEXTS = [
+    "Hello world", "The quick brown fox jumps over the lazy dog.", "", " ", "  leading and trailing  ",
+    "tabs\tand\nnewlines\n\n\nand\r\nCRLF", "    def f(x):\n        return x ** 2  # four-space indent\n",
+    "digits 0 7 42 1234567890 3.14159 1,000,000", "naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어",
+    "emoji 🚀🎉 👍🏽 👨‍👩‍👧 and a flag 🇫🇷", "it's they're we'll I'd you've CAN'T", "a" * 50, " " * 13 + "x",
+    "-" * 40 + "=" * 7, "\u00a0non-breaking\u2003em space\u200bzero-width", "trailing whitespace   \n   ",
+    "mixed123abc___ZZZ!!!???",
+]  # fmt: skip
+
+
+def random_texts(n: int = 300) -> list[str]:
+    """Strings drawn from letters, spaces, newlines, digits, punctuation and multi-byte characters: odd merges."""
+    import random
+
+    rng, alphabet = random.Random(0), "ab c\n\t 1 2é日🚀'-.,s"
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randrange(40))) for _ in range(n)]
+
+
+def _no_network(url):
+    raise ConnectionError(f"no network in the tests: {url}")
+
+
+@pytest.fixture(scope="module")
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding when its files are cached here; else a stand-in that build_tokenizer("gpt2") gets
+    meanwhile: a BPE that tiktoken trains here with GPT-2's split regex, its end-of-text token at 50256."""
+    pytest.importorskip("tiktoken")
+    import tiktoken
+    import tiktoken.load
+    import tiktoken.registry
+    from tiktoken import _educational
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiktoken.load, "read_file", _no_network)  # tiktoken's cache or nothing, never a download
+        try:
+            encoding = tiktoken.get_encoding("gpt2")
+        except Exception:  # not cached (or a damaged cache): the stand-in
+            corpus = "\n".join(TOKENIZER_TEXTS[:10]) * 2
+            ranks = _educational.bpe_train(corpus, 400, r50k_pat_str, visualise=None)
+            specials = {"<|endoftext|>": 50256}
+            encoding = tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=specials)
+            patch.setitem(tiktoken.registry.ENCODINGS, "gpt2", encoding)
+        yield encoding
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(gpt2_encoding, tmp_path_factory):
+    """The debug model with GPT-2's padded vocabulary (50304), exported with data.tokenizer = "gpt2"."""
+    model = perturbed_debug_model(vocab_size=50304)
+    cfg = debug_cfg("--data.tokenizer", "gpt2", "--model.vocab_size", "50304")
+    return model, export_hf(model, tmp_path_factory.mktemp("gpt2") / "hf", cfg)
+
+
+def test_gpt2_tokenizer_goes_into_the_folder_and_encodes_as_tiktoken(gpt2_folder, gpt2_encoding):
+    from transformers import AutoTokenizer
+
+    _, folder = gpt2_folder
+    theirs = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    for text in [*TOKENIZER_TEXTS, *random_texts()]:
+        ids = theirs(text)["input_ids"]
+        assert ids == gpt2_encoding.encode(text, disallowed_special=()), text
+        assert theirs.decode(ids) == text
+    assert theirs.eos_token == theirs.bos_token == "<|endoftext|>" and theirs.eos_token_id == 50256
+    assert theirs.decode([*theirs("ab")["input_ids"], 50256], skip_special_tokens=True) == "ab"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == 50304 and config["eos_token_id"] == 50256
+    assert "The run's tokenizer ('gpt2') is in this folder" in (folder / "README.md").read_text()
+
+
+def test_byte_tokenizer_goes_into_the_folder_as_bytes(hf_folder):
+    """Ids 0-255 are the UTF-8 bytes, 256 <|endoftext|>; any ids decode as ByteTokenizer decodes them (U+FFFD for
+    invalid UTF-8)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from atma_titan.data.tokenizer import ByteTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(hf_folder, trust_remote_code=True)
+    for text in [*TOKENIZER_TEXTS, *random_texts()]:
+        assert theirs(text)["input_ids"] == list(text.encode()), text
+        assert theirs.decode(list(text.encode())) == text
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(256) for _ in range(rng.randrange(1, 12))]
+        assert theirs.decode(ids) == ByteTokenizer().decode(ids) == bytes(ids).decode(errors="replace")
+    assert (theirs.eos_token, theirs.eos_token_id, theirs.bos_token_id, len(theirs)) == ("<|endoftext|>", 256, 256, 257)
+    assert theirs.decode([104, 256, 105], skip_special_tokens=True) == "hi"
+
+
+def test_a_tokenizer_that_cannot_be_built_leaves_the_export_without_it_and_says_how_to_add_it(
+    gpt2_folder, tmp_path, monkeypatch, capsys
+):
+    """gpt2 offline without tiktoken's files: the export command still writes the model, and one line says why the
+    tokenizer is missing and the command that adds it."""
+    import tiktoken.load
+    import tiktoken.registry
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(tiktoken.load, "read_file", _no_network)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "gpt2", raising=False)
+    _, source = gpt2_folder
+    out = tmp_path / "out"
+    assert export_main(["--checkpoint", str(source), "--out", str(out), "--dtype", "bf16"]) == 0
+    warning = capsys.readouterr().err.strip()
+    assert warning.startswith(f"warning: no tokenizer files in {out}") and "\n" not in warning
+    assert "GPT-2 BPE files could not be downloaded" in warning
+    assert warning.endswith(
+        f"`python -m atma_titan.export --checkpoint {source} --out {out} --dtype bf16` where tokenizer 'gpt2' builds"
+    )
+    assert not (out / "tokenizer.json").exists() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 50256  # known without it
+    assert "This folder has no tokenizer files" in (out / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_folder_loads_offline_in_transformers_and_lm_eval(gpt2_folder, gpt2_encoding):
+    """A fresh interpreter with HF_HUB_OFFLINE=1 and no tiktoken: AutoTokenizer, AutoModelForCausalLM and lm-eval's
+    HFLM take the folder as it is; HFLM's log-likelihood of a continuation is the model's."""
+    pytest.importorskip("lm_eval")
+    model, folder = gpt2_folder
+    script = (
+        "import json, sys\n"
+        "sys.modules['tiktoken'] = None  # the folder alone: no tiktoken\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from lm_eval.api.instance import Instance\n"
+        "from lm_eval.models.huggingface import HFLM\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "hf = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "lm = HFLM(pretrained=sys.argv[1], trust_remote_code=True, device='cpu', batch_size=1)\n"
+        "request = Instance('loglikelihood', doc={}, arguments=('The cat sat on', ' the mat'), idx=0)\n"
+        "(logprob, _), = lm.loglikelihood([request])\n"
+        "got = {'ids': tok('The cat sat on the mat')['input_ids'], 'model': type(hf).__name__, 'logprob': logprob}\n"
+        "print(json.dumps(got))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=300, cwd="/", env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    context = gpt2_encoding.encode("The cat sat on")
+    whole = gpt2_encoding.encode("The cat sat on the mat")
+    assert got["ids"] == whole and got["model"] == "AtmaForCausalLM"
+    with torch.no_grad():
+        logprobs = model(torch.tensor([whole[:-1]])).float().log_softmax(-1)[0]
+    expected = sum(logprobs[i - 1, whole[i]].item() for i in range(len(context), len(whole)))
+    assert got["logprob"] == pytest.approx(expected, abs=1e-4)
 
 
 def test_sharded_weights_load_everywhere(tmp_path):
@@ -178,6 +333,23 @@ def test_sharded_weights_load_everywhere(tmp_path):
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
     torch.testing.assert_close(AtmaForCausalLM.from_pretrained(out).model.head.weight, model.head.weight)
+
+
+def test_export_replaces_a_previous_one_whole_with_world_readable_files(tmp_path):
+    """A sharded export then a single-file one into the same folder: no stale shard, every file 0o644 under umask 022
+    (safetensors makes its files 0o600), and nothing beside the folder."""
+    model = perturbed_debug_model()
+    out = export_hf(model, tmp_path / "hf", debug_cfg(), max_shard_size="200KB")
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    old = os.umask(0o022)
+    try:
+        export_hf(model, out, debug_cfg())
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert "model.safetensors" in modes and not [n for n in modes if n.startswith("model-")]
+    assert set(modes.values()) == {0o644}, modes
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,4 +521,4 @@ def test_without_transformers_the_hf_model_and_export_name_the_hf_extra(hf_folde
     assert proc.stdout.splitlines()[:1] == [f"the Hugging Face model (atma_titan.hf) {needs}"], proc.stderr[-3000:]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip() == f"error: the Hugging Face export {needs}"
-    assert not out.exists() and not (tmp_path / ".out.tmp").exists()
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

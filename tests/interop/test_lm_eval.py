@@ -10,6 +10,10 @@ command runs end to end on a local multiple-choice task (a YAML and a jsonl writ
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -242,6 +246,98 @@ def test_an_unknown_task_is_matched_against_the_harness_tasks(run_dir, capsys):
     assert "unknown task(s): 'hellaswg' (close matches: hellaswag" in capsys.readouterr().err
 
 
+# ---------------------------------------------------------------------------------------------
+# Task data offline: the cache at once, or one line and exit 2
+
+
+def write_hub_task(folder: Path) -> Path:
+    """A task over a Hub data set that no cache holds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "atma_hub_tiny.yaml").write_text(
+        "task: atma_hub_tiny\ndataset_path: atma-titan-tests/no-such-data\ntest_split: test\n"
+        'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n'
+    )
+    return folder
+
+
+def test_missing_task_data_offline_is_one_line_and_exit_2(run_dir, tmp_path, monkeypatch, capsys):
+    import logging
+
+    import lm_eval.utils
+
+    # lm_eval logs through a handler it makes once, on the stderr of the time (an earlier test's capture)
+    monkeypatch.setattr(logging.getLogger("lm_eval"), "handlers", [])
+    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks = write_hub_task(tmp_path / "tasks")
+    began = time.perf_counter()
+    argv = ["--checkpoint", str(run_dir), "--tasks", "atma_hub_tiny", "--include-path", str(tasks)]
+    assert main([*argv, "--no-builtin-tasks", "--out", str(tmp_path / "out")]) == 2
+    assert time.perf_counter() - began < 30  # no retries of the Hub
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in err and err.rstrip().endswith(line)
+    assert line.startswith(
+        "error: task 'atma_hub_tiny' needs the Hugging Face data set 'atma-titan-tests/no-such-data', which is not "
+        "in the local cache ("
+    )
+    assert "HF_HUB_OFFLINE=1 is set. Run this command once online without HF_HUB_OFFLINE to fetch it" in line
+    assert line.endswith("or write the task as a YAML over local files and pass --include-path DIR")
+
+
+@pytest.mark.slow
+def test_a_builtin_task_with_no_network_fails_at_once_in_one_line(run_dir, tmp_path):
+    """The command as a user runs it, with nothing answering at the Hub's address and an empty cache."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith(("_OFFLINE", "_proxy", "_PROXY"))}
+    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # port 9: nothing listens
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "atma_titan.lm_eval", "--checkpoint", str(run_dir), "--tasks", "lambada_openai"]
+    began = time.perf_counter()
+    proc = subprocess.run([*command, "--limit", "1"], env=env, capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - began
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Retry" not in proc.stderr, proc.stderr[-3000:]
+    assert "the Hugging Face Hub cannot be reached (127.0.0.1:9: " in proc.stdout
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith(
+        "error: task 'lambada_openai' needs the Hugging Face data set 'EleutherAI/lambada_openai', which is not in "
+        f"the local cache ({tmp_path / 'hf'}), and the Hub cannot be reached (127.0.0.1:9: "
+    )
+    assert "Run this command once online to fetch it" in last and "--include-path DIR" in last
+    assert seconds < 120  # indexing the built-in tasks and loading the model: no waiting on the network
+
+
+def test_the_hub_probe_and_offline_mode(monkeypatch):
+    import socket
+
+    import datasets
+    import huggingface_hub.constants
+
+    from atma_titan.lm_eval.offline import hub_or_cache, missing_task_data, offline_mode, unreachable
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        monkeypatch.setenv("HF_ENDPOINT", f"https://127.0.0.1:{port}")
+        assert unreachable() is None
+        with hub_or_cache() as offline:
+            assert offline is None and not huggingface_hub.constants.HF_HUB_OFFLINE
+    assert unreachable().startswith(f"127.0.0.1:{port}: ")  # closed now: refused
+    before = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+    with offline_mode():
+        assert datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
+        assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE) == before
+    assert "HF_DATASETS_OFFLINE" not in os.environ
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")  # the user's choice: online, not probed
+    with hub_or_cache() as offline:
+        assert offline is None
+    assert missing_task_data(ValueError("not the network"), None) is None
+    assert missing_task_data(ConnectionError("raised outside a task's data loading"), None) is None
+
+
 def test_ruler_metadata_names_the_runs_hub_tokenizer():
     assert task_metadata(None, "hf:Qwen/Qwen3-0.6B") == {"tokenizer": "Qwen/Qwen3-0.6B"}
     assert task_metadata('{"tokenizer": "gpt2", "max_seq_lengths": [64]}', "hf:x/y") == {
@@ -252,7 +348,7 @@ def test_ruler_metadata_names_the_runs_hub_tokenizer():
 
 
 def test_command_without_the_harness_names_the_extra(run_dir, monkeypatch, capsys):
-    monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
     assert main(["--checkpoint", str(run_dir), "--tasks", TASK]) == 2
     err = capsys.readouterr().err.strip()
     assert "pip install 'atma_titan[lm_eval]'" in err and "\n" not in err
@@ -283,10 +379,6 @@ def tiny_tokenizer_json(folder: Path) -> Path:
 def test_exported_hf_folder_scores_the_same_in_the_harness_hf_model(tmp_path, monkeypatch):
     """`lm_eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` on the exported folder
     gives the rolling log-likelihoods this adapter gives on the checkpoint it was exported from."""
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # the harness's hf model needs it (lm-eval[hf])
     export = pytest.importorskip("atma_titan.export")

@@ -1,0 +1,105 @@
+"""What may change when a run resumes, and the refusal of everything else.
+
+A resumed run continues the saved run: its checkpoints hold weights of one model, optimizer state of
+one optimizer, and a position in one data stream. A key that changes any of these (the model, the
+tokenizer, the data, the sequence length, the batch, the seeds, the optimizer's hyper-parameters,
+which the loaded optimizer state would silently override) cannot change on resume: the trainer
+refuses before it writes anything into the folder. The keys below may change; each change is printed.
+docs/training.md lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from atma_titan.config import Model
+from atma_titan.models.flavors import resolve_model_args
+from atma_titan.utils.errors import InputError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+ALL = "*"
+# Section -> the keys that may change on resume (ALL: every key of the section).
+RESUMABLE: dict[str, set[str] | str] = {
+    "job": {"dump_folder", "description", "deterministic", "dry_run", "print_config"},
+    # Which kernel computes an op, not what it computes.
+    "model": {"attention_impl", "memory_impl", "mlp_impl", "conv_impl", "loss_impl"},
+    # The length of the run (the schedule follows it from the next step), how a step is computed, and
+    # the clip, which no saved state overrides.
+    "training": {
+        "steps", "micro_batch_size", "max_norm", "mixed_precision", "device", "compile", "compile_backend",
+        "nan_policy", "loss", "loss_chunk_mib", "gc_interval",
+    },  # fmt: skip
+    "activation_checkpoint": ALL,
+    "lr_scheduler": ALL,  # a function of the step, recomputed at resume: a new schedule applies from the next step
+    "data": {"num_workers", "val_path"},
+    "checkpoint": ALL,
+    "parallelism": ALL,  # checkpoints reshard to any world size
+    "metrics": ALL,
+    "eval": ALL,
+    "profiling": ALL,
+    "debug": ALL,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    key: str
+    saved: Any
+    requested: Any
+
+    def describe(self) -> str:
+        return f"{self.key} saved {self.saved!r}, requested {self.requested!r}"
+
+
+def may_change(section: str, key: str) -> bool:
+    allowed = RESUMABLE.get(section, set())
+    return allowed == ALL or key in allowed
+
+
+def config_changes(saved: dict, requested: dict) -> list[Change]:
+    """Every key whose value differs between two config.toml dicts; the model is compared as resolved from
+    its flavor, so a key set to its flavor's value is no change."""
+    changes = []
+    for section in sorted(set(saved) | set(requested)):
+        if section == "model":
+            continue
+        old, new = saved.get(section, {}), requested.get(section, {})
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                changes.append(Change(f"{section}.{key}", old.get(key), new.get(key)))
+    old_model, new_model = (_resolved_model(config.get("model", {})) for config in (saved, requested))
+    for key in old_model:
+        if old_model[key] != new_model[key]:
+            changes.append(Change(f"model.{key}", old_model[key], new_model[key]))
+    return changes
+
+
+def _resolved_model(table: dict) -> dict:
+    return dataclasses.asdict(resolve_model_args(Model(**table)))
+
+
+def check_resume(saved_config: Path, requested_toml: str) -> list[Change]:
+    """The allowed changes from the run's saved config.toml; InputError naming every other change."""
+    try:
+        saved = tomllib.loads(saved_config.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise InputError(f"cannot resume: the run's {saved_config} cannot be read ({e})") from None
+    changes = config_changes(saved, tomllib.loads(requested_toml))
+    refused = [c for c in changes if not may_change(*c.key.split(".", 1))]
+    if refused:
+        folder = saved_config.parent
+        raise InputError(
+            f"cannot resume {folder}: its checkpoints were trained with other values of "
+            f"{'; '.join(c.describe() for c in refused)}. Put {'this key' if len(refused) == 1 else 'these keys'} "
+            "back to resume this run, or choose another job.dump_folder to start a new one "
+            f"(checkpoint.load_path = \"{folder}\" starts it from this run's weights where the model is the same). "
+            "The keys that may change on resume are listed in docs/training.md"
+        )
+    return changes
