@@ -110,6 +110,13 @@ def prose_lines(page: Path):
 # No sessions
 
 
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    """The debug run's outputs/ and the export's exports/ are a user's files, never the repository's."""
+    written = ["outputs/debug/config.toml", "exports/atma_370m/model.safetensors", ".venv-ci/bin/python"]
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT, capture_output=True, text=True)
+    assert ignored.stdout.split() == written, ignored.stdout + ignored.stderr
+
+
 def test_no_file_mentions_a_session():
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
