@@ -253,7 +253,7 @@ def read_start(cfg: JobConfig) -> Start:
         resume_step = ck.load_step if ck.load_step >= 0 else folder.latest_checkpoint_step()
     # Before anything is written: a resume may not change what the checkpoints were trained with.
     resuming = resume_step is not None and folder.config.is_file()
-    changes = tuple(check_resume(folder.config, cfg.to_toml())) if resuming else ()
+    changes = tuple(check_resume(folder.config, cfg)) if resuming else ()
     done = folder.done_step()
     same_run = resume_step is not None or _saved_config(folder) == cfg.to_toml()
     if done is not None and done >= cfg.training.steps and same_run:
@@ -452,7 +452,7 @@ def open_logger(cfg: JobConfig, dims: ParallelDims, folder: RunFolder, resumed_f
     )
 
 
-def say_header(run: Run, cpu_threads: CpuThreads | None = None) -> None:
+def say_header(run: Run, cpu_threads: CpuThreads | None) -> None:
     """The run in three lines: model, batch and length, where its files go; then what may surprise in it
     (the CPU threads, a weighted loss) and the config's warnings on stderr."""
     cfg, args = run.cfg, run.args

@@ -11,18 +11,12 @@ docs/training.md lists them.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
-from atma_titan.config import Model
+from atma_titan.config import JobConfig, load_toml
 from atma_titan.models.flavors import resolve_model_args
 from atma_titan.utils.errors import InputError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10
-    import tomli as tomllib
 
 ALL = "*"
 # Section -> the keys that may change on resume (ALL: every key of the section).
@@ -63,35 +57,27 @@ def may_change(section: str, key: str) -> bool:
     return allowed == ALL or key in allowed
 
 
-def config_changes(saved: dict, requested: dict) -> list[Change]:
-    """Every key whose value differs between two config.toml dicts; the model is compared as resolved from
-    its flavor, so a key set to its flavor's value is no change."""
+def config_changes(saved: JobConfig, requested: JobConfig) -> list[Change]:
+    """Every key whose value differs between two configs, compared as config.toml shows them (URLs
+    redacted); the model is compared as resolved from its flavor, so a key set to its flavor's value is no
+    change."""
     changes = []
-    for section in sorted(set(saved) | set(requested)):
-        if section == "model":
-            continue
-        old, new = saved.get(section, {}), requested.get(section, {})
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                changes.append(Change(f"{section}.{key}", old.get(key), new.get(key)))
-    old_model, new_model = (_resolved_model(config.get("model", {})) for config in (saved, requested))
-    for key in old_model:
-        if old_model[key] != new_model[key]:
-            changes.append(Change(f"model.{key}", old_model[key], new_model[key]))
+    old_config, new_config = saved.to_dict(), requested.to_dict()
+    for section in sorted(old_config.keys() - {"model"}):
+        old, new = old_config[section], new_config[section]
+        changes += [Change(f"{section}.{key}", old[key], new[key]) for key in sorted(old) if old[key] != new[key]]
+    old_model, new_model = (dataclasses.asdict(resolve_model_args(c.model)) for c in (saved, requested))
+    changes += [
+        Change(f"model.{key}", old_model[key], new_model[key]) for key in old_model if old_model[key] != new_model[key]
+    ]
     return changes
 
 
-def _resolved_model(table: dict) -> dict:
-    return dataclasses.asdict(resolve_model_args(Model(**table)))
-
-
-def check_resume(saved_config: Path, requested_toml: str) -> list[Change]:
+def check_resume(saved_config: Path, requested: JobConfig) -> list[Change]:
     """The allowed changes from the run's saved config.toml; InputError naming every other change."""
-    try:
-        saved = tomllib.loads(saved_config.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise InputError(f"cannot resume: the run's {saved_config} cannot be read ({e})") from None
-    changes = config_changes(saved, tomllib.loads(requested_toml))
+    saved = JobConfig()
+    load_toml(saved, saved_config)  # a file it cannot read, or a key it does not know: a ConfigError naming it
+    changes = config_changes(saved, requested)
     refused = [c for c in changes if not may_change(*c.key.split(".", 1))]
     if refused:
         folder = saved_config.parent
@@ -99,7 +85,7 @@ def check_resume(saved_config: Path, requested_toml: str) -> list[Change]:
             f"cannot resume {folder}: its checkpoints were trained with other values of "
             f"{'; '.join(c.describe() for c in refused)}. Put {'this key' if len(refused) == 1 else 'these keys'} "
             "back to resume this run, or choose another job.dump_folder to start a new one "
-            f"(checkpoint.load_path = \"{folder}\" starts it from this run's weights where the model is the same). "
+            f'(checkpoint.load_path = "{folder}" starts it from this run\'s weights where the model is the same). '
             "The keys that may change on resume are listed in docs/training.md"
         )
     return changes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,13 @@ def test_a_continued_run_says_what_changed_and_follows_the_new_length_from_its_f
     for step in (5, 6, 8):  # logged: the first step after a resume, then every log_freq
         assert resumed[step] == pytest.approx(reference[step], rel=1e-12)
         assert resumed[step] / reference[5] == pytest.approx(factor(step - 1) / factor(4), rel=1e-12)
+
+
+def test_a_saved_config_the_trainer_cannot_read_is_one_line_naming_it(finished_run, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(finished_run, folder)
+    saved = folder / "config.toml"
+    saved.write_text(saved.read_text().replace("[model]\n", "[model]\nretired_key = 1\n"))
+    proc = run_train(folder, "--training.steps", "5")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{saved}" in proc.stderr and "retired_key" in proc.stderr
