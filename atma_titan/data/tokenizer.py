@@ -391,7 +391,7 @@ def _readable_run(tokenizer: Tokenizer, run: list[int], final: bool) -> str:
     if not hasattr(tokenizer, "token_bytes"):
         text = tokenizer.decode(run)
         return text if final else text.rstrip("\ufffd")  # an incomplete character: its next id completes it
-    return _utf8_text([(token, tokenizer.token_bytes(token)) for token in run if tokenizer.token_bytes(token)], final)
+    return _utf8_text([(token, data) for token in run if (data := tokenizer.token_bytes(token))], final)
 
 
 def _utf8_text(run: list[tuple[int, bytes]], final: bool) -> str:

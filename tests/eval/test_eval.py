@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import EVAL_TRAIN as TRAIN
-from helpers import HandModel, Induction
+from helpers import HandModel, Induction, run_eval
 
-from atma_titan.config import load_config
 from atma_titan.data.shards import BinShards, write_shard
 from atma_titan.data.tokenizer import ByteTokenizer, HFTokenizer
 from atma_titan.eval import (
@@ -522,30 +517,12 @@ def test_compare_labels_and_bad_input(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    from atma_titan.train import train
-
-    dump = tmp_path_factory.mktemp("run")
-    train(
-        load_config(["--config", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(dump), *TRAIN])
-    )
-    return dump
 
 
 # A quick needle + length curve: two gaps, two lengths, two trials / documents each.
 SMALL_EVAL = ["--gaps", "64,128", "--trials", "2", "--length-curve", "--lengths", "64,128", "--documents", "2"]
 
 
-def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "atma_titan.eval", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
 
 
 def check_schema(results: dict, gaps, depths, variants, lengths, mode="teacher_forced") -> None:

@@ -3,44 +3,19 @@ training length for a model trained on the synthetic source (said in the first l
 otherwise or when asked for."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-from helpers import EVAL_TRAIN
+from helpers import run_eval
 
-from atma_titan.config import load_config
 from atma_titan.eval.__main__ import choose_needle, check_arguments, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 32  # EVAL_TRAIN's training.seq_len
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    from atma_titan.train import train
-
-    dump = tmp_path_factory.mktemp("run")
-    train(
-        load_config(
-            ["--config", str(REPO / "train_configs/debug_model.toml"), "--job.dump_folder", str(dump), *EVAL_TRAIN]
-        )
-    )
-    return dump
 
 
-def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "atma_titan.eval", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
 
 
 def test_a_synthetic_trained_model_gets_the_records_needle_up_to_16x_its_training_length(run_dir, tmp_path):

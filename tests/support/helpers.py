@@ -294,3 +294,19 @@ def run_interpreter_cases(cases: str, timeout: int = 600) -> None:
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     summary = proc.stdout.strip().splitlines()[-1]  # "N passed[, M skipped] in S s"
     assert " passed" in summary and not re.search(r"\d+ skipped", summary), proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def run_eval(*args: str) -> subprocess.CompletedProcess:
+    """`python -m atma_titan.eval ARGS` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "atma_titan.eval", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
