@@ -40,6 +40,7 @@ from atma_titan.checkpoint.weights import export_safetensors
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.config.validation import config_warnings
 from atma_titan.data import TrainData
+from atma_titan.data.boundaries import document_starts
 from atma_titan.utils.cli import command
 from atma_titan.utils.device import (
     CpuThreads,
@@ -313,6 +314,7 @@ class Run:
     began: float
     loader: object = None
     batches: Iterator | None = None
+    document_eot: int | None = None  # data.document_mask: the EOT id that begins each document
     loss_fn: Callable = cross_entropy_sum
     use_autocast: bool = False
     throughput: Throughput | None = None
@@ -372,6 +374,7 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
             optimizers=optimizers, schedules=schedules, state=state, checkpointer=checkpointer, job_state=job_state,
             say=say, began=began, exits=exits,
         )  # fmt: skip
+        run.document_eot = data.eot_id if cfg.data.document_mask else None
         say_header(run, cpu_threads)
         # Before the loader forks its workers: they inherit the handler, so a Ctrl-C to the process group
         # leaves them running and the step can finish and save.
@@ -481,6 +484,8 @@ def say_header(run: Run, cpu_threads: CpuThreads | None) -> None:
         # the recall records' tokens count recall_weight times in the mean: ~37 where plain CE would be ~3
         weight = f"data.recall_weight = {cfg.data.recall_weight:g}"
         run.say(f"  loss is recall-weighted ({weight}): not comparable to plain CE")
+    if run.document_eot is not None:
+        run.say(f"  documents kept apart (data.document_mask): each begins at an EOT (id {run.document_eot})")
     if run.dims.is_main:
         load = load_average()
         crowded = cpu_threads.crowded(load) if cpu_threads is not None and load is not None else None
@@ -569,7 +574,7 @@ def prepare_step(run: Run) -> None:
     n_attention = sum(args.is_global(i) for i in range(args.n_layers))
     flops = flops_per_token(non_embedding_params(run.model), n_attention, args.n_heads, args.head_dim, run.plan.seq_len)
     run.throughput = Throughput(flops, peak_flops(device))
-    run.validator = Validator(cfg, args.vocab_size, dims) if cfg.eval.interval else None
+    run.validator = Validator(cfg, args.vocab_size, dims, run.document_eot) if cfg.eval.interval else None
     run.first_step = run.state.step + 1
     run.profiler = run.exits.enter_context(
         StepProfiler(cfg.profiling, run.folder.path, dims.rank, run.first_step, device, run.say)
@@ -594,8 +599,9 @@ def train_step(run: Run) -> StepStats:
         if dims.distributed:  # reduce-scatter gradients and free the gathered parameters after the last one
             set_micro_batch(run.model, last=micro == plan.accum - 1)
         targets = LossTargets(labels, *weights, **chunks) if fused else None
+        doc_start = None if run.document_eot is None else document_starts(inputs, run.document_eot)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=run.use_autocast):
-            out, aux = run.model(inputs, return_aux=True, targets=targets)
+            out, aux = run.model(inputs, return_aux=True, targets=targets, doc_start=doc_start)
         # sum CE / tokens of the whole global batch: micro-batches and ranks add up to the mean.
         ce_sum = out if fused else run.loss_fn(out, labels, *weights)
         loss = run.faults.loss(step, ce_sum / plan.tokens_per_step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -66,3 +67,38 @@ def do_bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, grad
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Document lengths of packed data (the document-mask benchmarks)
+
+MEAN_1K = 1024.0
+# FineWeb-Edu-like: log-normal in GPT-2 tokens with median 600 and sigma 1.0 (mean 600 e^0.5 ~ 989). An
+# assumed fit to the shape of its heavy tail (many short pages, a few very long ones), not measured here.
+FINEWEB_MEDIAN, FINEWEB_SIGMA = 600.0, 1.0
+
+
+def _exponential(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.float64).exponential_(1.0 / MEAN_1K, generator=gen)
+
+
+def _log_normal(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.float64).log_normal_(math.log(FINEWEB_MEDIAN), FINEWEB_SIGMA, generator=gen)
+
+
+SAMPLERS: dict[str, Callable[[int, torch.Generator], torch.Tensor] | None] = {
+    "one": None,  # one document a window
+    "1k": _exponential,
+    "fineweb": _log_normal,
+}
+
+
+def document_lengths(kind: str, tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 lengths (each >= 1) of documents drawn from `kind` until they hold at least `tokens` tokens."""
+    sample = SAMPLERS[kind]
+    drawn, total = [], 0
+    while total < tokens:
+        lengths = sample(max(tokens // 256, 64), gen).round().clamp_(min=1).long()
+        drawn.append(lengths)
+        total += int(lengths.sum())
+    return torch.cat(drawn)

@@ -154,6 +154,12 @@ class Data:
         "recall tokens lets induction form (the small-scale reproduction uses it).",
     )
     num_workers: int = opt(0, "Data-loader worker processes per rank.")
+    document_mask: bool = opt(
+        False,
+        "Keep documents apart inside a training window: no mixer reads across a document start (the EOT before "
+        "each document): attention sees only its own document's keys, the memory restarts from zero and the "
+        "convolutions from zero history. Off: a window is a stretch of the token stream (docs/data.md).",
+    )
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from atma_titan.data.synthetic import SyntheticSource
-from atma_titan.data.tokenizer import Tokenizer, build_tokenizer
+from atma_titan.data.tokenizer import Tokenizer, build_tokenizer, known_eot_id
 from atma_titan.utils.errors import InputError
 
 __all__ = [
@@ -131,6 +131,20 @@ class TrainData:
         else:
             self.source, self.tokenizer = build_document_source(cfg), _tokenizer(cfg, vocab_size)
             self.plan = self.source.fresh_plan()  # replaced by a checkpoint's (StreamCursor.load_state_dict)
+
+    @property
+    def eot_id(self) -> int:
+        """The end-of-text id that begins each document (data.document_mask finds the boundaries by it): the
+        tokenizer's, or for .bin shards made by the prepare command the one their manifest records."""
+        if not self.random_access:
+            return self.tokenizer.eot_id
+        if self.cfg.source == "synthetic":
+            return self.source.eot_id
+        manifest = shard_manifest(self.cfg.path)
+        if manifest and "eot_id" in manifest["tokenizer"]:
+            return int(manifest["tokenizer"]["eot_id"])
+        known = known_eot_id(self.cfg.tokenizer)  # without building it: no tokenizer files needed
+        return known if known is not None else build_tokenizer(self.cfg.tokenizer).eot_id
 
     def checkpoint_state(self) -> dict:
         """What this data adds to the global checkpoint state: the document cursor of a streamed source."""

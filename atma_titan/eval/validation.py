@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from atma_titan.data import SyntheticSource, build_tokenizer
+from atma_titan.data.boundaries import document_starts
 from atma_titan.data.loader import build_dataloader
 from atma_titan.parallel.dims import ParallelDims, all_reduce_sum
 
@@ -30,8 +31,10 @@ def validation_source(cfg_data, vocab_size: int):
 
 
 class Validator:
-    def __init__(self, cfg, vocab_size: int, dims: ParallelDims):
-        self.cfg, self.dims = cfg, dims
+    def __init__(self, cfg, vocab_size: int, dims: ParallelDims, document_eot: int | None = None):
+        """document_eot: with data.document_mask, the EOT id that begins each document: the validation loss is
+        then measured with documents kept apart, as training sees them."""
+        self.cfg, self.dims, self.document_eot = cfg, dims, document_eot
         rank, world_size = dims.dp_rank, dims.dp_degree
         t = cfg.training
         self.source = validation_source(cfg.data, vocab_size)
@@ -68,7 +71,8 @@ class Validator:
         it = iter(self.batches)
         for _ in range(self.cfg.eval.val_batches):
             inputs, labels = (t.to(device) for t in next(it))
-            logits = model(inputs)
+            doc_start = None if self.document_eot is None else document_starts(inputs, self.document_eot)
+            logits = model(inputs, doc_start=doc_start)
             totals[0] += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").double()
             totals[1] += labels.numel()
         totals = all_reduce_sum(totals, self.dims)

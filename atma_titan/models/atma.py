@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from atma_titan.kernels.documents import check_doc_start
 from atma_titan.models.attention import GlobalAttention
 from atma_titan.models.conv import GatedShortConv
 from atma_titan.models.flavors import ModelArgs
@@ -29,8 +30,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(args.d_model, args.norm_eps)
         self.mlp = MLP(args.d_model, args.mlp_hidden, args.mlp, args.mlp_impl)
 
-    def forward(self, h: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mixed, aux = self.mixer(self.norm1(h), cache)
+    def forward(self, h: torch.Tensor, cache=None, doc_start=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mixed, aux = self.mixer(self.norm1(h), cache, doc_start)
         h = h + mixed
         return h + self.mlp(self.norm2(h)), aux
 
@@ -45,27 +46,40 @@ class ATMA(nn.Module):
         self.norm = RMSNorm(args.d_model, args.norm_eps)
         self.head = SoftcapHead(args.d_model, args.vocab_size, args.logit_softcap, args.loss_impl)
 
-    def forward(self, tokens: torch.Tensor, return_aux: bool = False, cache=None, targets: LossTargets | None = None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        return_aux: bool = False,
+        cache=None,
+        targets: LossTargets | None = None,
+        doc_start: torch.Tensor | None = None,
+    ):
         """tokens (B, T) -> fp32 logits (B, T, V); with return_aux also the summed auxiliary loss.
 
         cache (generation): an `atma_titan.inference` StepCache. The tokens then continue sequences
         whose earlier tokens it holds (keys and values, conv and memory states), and it is updated.
         targets (training): return the summed next-token cross-entropy against targets.labels instead
         of the logits, computed by the head chunk by chunk (atma_titan.models.loss).
+        doc_start (training with documents kept apart): int32 (B, T), where each token's document begins
+        (atma_titan.kernels.documents); every mixer then reads only within a token's own document.
         """
-        h, aux = self.trunk(tokens, cache)
+        h, aux = self.trunk(tokens, cache, doc_start)
         out = self.head(h) if targets is None else self.head(h, targets)
         return (out, aux) if return_aux else out
 
-    def trunk(self, tokens: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def trunk(self, tokens: torch.Tensor, cache=None, doc_start=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens (B, T) -> final-normed hidden states (B, T, d) and the summed auxiliary loss.
 
         Evaluation at long lengths applies `head` to slices of these, never holding (T x vocab) logits.
         """
+        if doc_start is not None:
+            if cache is not None:
+                raise ValueError("doc_start is for training windows; a cache continues one document per sequence")
+            check_doc_start(doc_start, *tokens.shape)
         h = self.embed(tokens)
         aux_total = None
         for i, block in self.blocks.items():
-            h, aux = block(h, None if cache is None else cache.layer(int(i)))
+            h, aux = block(h, None if cache is None else cache.layer(int(i)), doc_start)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
         return self.norm(h), aux_total

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atma_titan.kernels.documents import positions_in_document
 from atma_titan.kernels.paged import softmax_decode
 from atma_titan.kernels.polar import polar_attention, polar_decode, polar_scalars
 from atma_titan.models.flavors import ModelArgs
@@ -67,10 +68,11 @@ class GlobalAttention(nn.Module):
         if self.memory is not None:
             self.memory.zero_output()
 
-    def project(self, x: torch.Tensor, cache=None) -> tuple:
+    def project(self, x: torch.Tensor, cache=None, doc_start=None) -> tuple:
         """x (B, T, d) -> q, gate (B, T, H, D) and k, v (B, T, Hkv, D), normalised and position-mixed, and
         the memory's projections of x (None without a memory): every projection of x in one matrix product,
-        except in a decode step, which reads each weight once as it is."""
+        except in a decode step, which reads each weight once as it is. With doc_start the Canon
+        convolutions do not reach back across a document start."""
         a = self.args
         B, T, _ = x.shape
         memory_inputs = self.memory.input_projections() if self.memory is not None else []
@@ -91,31 +93,33 @@ class GlobalAttention(nn.Module):
             def state(name):
                 return None if cache is None else cache.state(name)
 
-            q = q + self.canon_q(q.flatten(2), state("canon_q")).view_as(q)
-            k = k + self.canon_k(k.flatten(2), state("canon_k")).view_as(k)
-            v = v + self.canon_v(v.flatten(2), state("canon_v")).view_as(v)
+            q = q + self.canon_q(q.flatten(2), state("canon_q"), doc_start).view_as(q)
+            k = k + self.canon_k(k.flatten(2), state("canon_k"), doc_start).view_as(k)
+            v = v + self.canon_v(v.flatten(2), state("canon_v"), doc_start).view_as(v)
         return q, gate, k, v, (projected if self.memory is not None else None)
 
-    def forward(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """cache (generation): the block's `atma_titan.inference` LayerCache (pages and states)."""
+    def forward(self, x: torch.Tensor, cache=None, doc_start=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """cache (generation): the block's `atma_titan.inference` LayerCache (pages and states).
+        doc_start (training, documents kept apart): int32 (B, T), where each token's document begins
+        (atma_titan.kernels.documents): attention, the memory and the Canon convolutions stay inside it."""
         a = self.args
         B, T, _ = x.shape
-        q, gate, k, v, projected = self.project(x, cache)
+        q, gate, k, v, projected = self.project(x, cache, doc_start)
         aux = None
         if a.attention == "polar":
-            c, mag = self.polar(q, k, v, cache)
+            c, mag = self.polar(q, k, v, cache, doc_start)
             c = c * self.direction_scale
             out = self.o_proj((c * torch.sigmoid(gate)).reshape(B, T, -1)) + self.mu_proj(mag.to(x.dtype))
             if a.distractor_weight > 0 and self.training:
-                aux = a.distractor_weight * self.distractor_loss(q)
+                aux = a.distractor_weight * self.distractor_loss(q, doc_start)
         else:
-            o = self.softmax(q, k, v, cache)
+            o = self.softmax(q, k, v, cache, doc_start)
             out = self.o_proj((o * torch.sigmoid(gate)).reshape(B, T, -1))
         if self.memory is not None:
-            out = out + self.memory(projected, q, k, v, cache)
+            out = out + self.memory(projected, q, k, v, cache, doc_start)
         return out, aux
 
-    def polar(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def polar(self, q, k, v, cache=None, doc_start=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The Polar core: direction c (B, T, H, D) and count mag (B, T, H), by the configured kernel."""
         a = self.args
         scalars = (self.len_gain, self.null_base, self.null_slope, self.mag_beta, self.v_null)
@@ -128,20 +132,21 @@ class GlobalAttention(nn.Module):
         if cache is not None:  # a prefill chunk: the queries are the last T of all cached keys
             k, v = cache.extend_kv(k, v)
         return polar_attention(
-            q, k, v, *scalars, window=a.window, impl=a.attention_impl, block_q=a.attention_block,
-            block_k=a.attention_block, what="model.attention_impl",
+            q, k, v, *scalars, window=a.window, doc_start=doc_start, impl=a.attention_impl,
+            block_q=a.attention_block, block_k=a.attention_block, what="model.attention_impl",
         )  # fmt: skip
 
-    def softmax(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> torch.Tensor:
+    def softmax(self, q, k, v, cache=None, doc_start=None) -> torch.Tensor:
         """Softmax attention (the ablation) over the block's keys, or the cached keys as well."""
         if cache is not None and cache.decoding:
             return softmax_decode(q[:, 0], *cache.append_kv(k, v), window=self.args.window)[:, None]
         if cache is not None:
             k, v = cache.extend_kv(k, v)
-        return softmax_attention(q, k, v, self.args.window)
+        return softmax_attention(q, k, v, self.args.window, doc_start)
 
-    def distractor_loss(self, q: torch.Tensor) -> torch.Tensor:
-        """Mean softmax mass that R random keys take from the null entry, at each query's own n.
+    def distractor_loss(self, q: torch.Tensor, doc_start=None) -> torch.Tensor:
+        """Mean softmax mass that R random keys take from the null entry, at each query's own n (the keys
+        it sees: its position + 1, or in its own document with doc_start; at most the window).
 
         The random keys go through k_proj and the RMS norm but are detached: the loss teaches the
         queries, the temperature and the null floor to reject noise, not the keys to hide from it.
@@ -152,30 +157,37 @@ class GlobalAttention(nn.Module):
         keys = rms_norm(self.k_proj(noise).view(-1, a.n_kv_heads, D), a.norm_eps).detach()
         keys = keys.repeat_interleave(H // a.n_kv_heads, dim=1)  # (R, H, D)
         scores = torch.einsum("bthd,rhd->bthr", q.float(), keys.float()) / D**0.5
-        n = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)
+        if doc_start is None:
+            n = torch.arange(1, T + 1, device=q.device, dtype=torch.float32)[None]
+        else:
+            n = (positions_in_document(doc_start) + 1).float()
         if a.window:
             n = n.clamp(max=a.window)
-        temp, null = polar_scalars(n[:, None], self.len_gain, self.null_base, self.null_slope)  # (T, H)
-        logits = torch.cat([scores, null[None, :, :, None].expand(B, T, H, 1)], dim=-1) * temp[None, :, :, None]
+        temp, null = polar_scalars(n[..., None], self.len_gain, self.null_base, self.null_slope)  # (1 or B, T, H)
+        logits = torch.cat([scores, null[..., None].expand(B, T, H, 1)], dim=-1) * temp[..., None]
         return logits.softmax(dim=-1)[..., :-1].sum(-1).mean()
 
 
-def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, doc_start=None) -> torch.Tensor:
     """Causal softmax attention with GQA, optionally limited to the last `window` keys.
 
     q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk: the queries are the last Tq key positions.
+    doc_start (B, Tk): a query sees only keys from its own document's start on (an explicit mask: SDPA's
+    flash path takes none, so the softmax ablation with documents runs on its memory-efficient kernel).
     """
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     group = q.shape[2] // k.shape[2]
     if group > 1:  # explicit expansion: enable_gqa is not available on every backend we run
         kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
     tq, tk = q.shape[1], k.shape[1]
-    if window or tq != tk:
+    if window or tq != tk or doc_start is not None:
         i = torch.arange(tk - tq, tk, device=q.device)[:, None]  # query positions
         j = torch.arange(tk, device=q.device)[None, :]
         mask = j <= i
         if window:
             mask &= j > i - window
+        if doc_start is not None:  # (B, 1, Tq, Tk): the batch's own documents, broadcast over heads
+            mask = mask & (j >= doc_start[:, tk - tq :, None])[:, None]
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
     else:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)

@@ -28,17 +28,18 @@ class GatedShortConv(nn.Module):
         self.conv = CausalDepthwiseConv(d, args.conv_kernel)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, h: torch.Tensor, cache=None) -> tuple[torch.Tensor, None]:
-        """cache (generation): the block's `atma_titan.inference` LayerCache, holding the conv state."""
+    def forward(self, h: torch.Tensor, cache=None, doc_start=None) -> tuple[torch.Tensor, None]:
+        """cache (generation): the block's `atma_titan.inference` LayerCache, holding the conv state.
+        doc_start (training, documents kept apart): the convolution does not read across a document start."""
         weights = (self.in_proj.weight, self.in_proj.bias, self.conv.weight, self.out_proj.weight, self.out_proj.bias)
         if cache is None and gradients_flow(h, *weights):
             # in_proj's matmul stays outside the Function, where activation checkpointing sees it (and may
             # recompute it); its bias is added inside, so the one backward pass also gives the bias gradient.
             u = F.linear(h, self.in_proj.weight)
-            return _GatedConv.apply(u, *weights[1:], self.impl), None
+            return _GatedConv.apply(u, *weights[1:], self.impl, doc_start), None
         b, c, x = self.in_proj(h).chunk(3, dim=-1)
         state = None if cache is None else cache.state("conv")
-        return self.out_proj(c * self.conv(b * x, state)), None
+        return self.out_proj(c * self.conv(b * x, state, doc_start)), None
 
     def zero_output(self) -> None:
         nn.init.zeros_(self.out_proj.weight)
@@ -56,20 +57,21 @@ class _GatedConv(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, u, in_bias, conv_weight, out_weight, out_bias, impl: str):
-        ctx.save_for_backward(u, in_bias, conv_weight, out_weight)
+    def forward(ctx, u, in_bias, conv_weight, out_weight, out_bias, impl: str, doc_start):
+        ctx.save_for_backward(u, in_bias, conv_weight, out_weight, doc_start)
         ctx.impl = impl
-        return F.linear(gated_conv(u + in_bias.to(u.dtype), conv_weight), out_weight, out_bias)
+        return F.linear(gated_conv(u + in_bias.to(u.dtype), conv_weight, doc_start), out_weight, out_bias)
 
     @staticmethod
     def backward(ctx, dout):
-        u, in_bias, conv_weight, out_weight = ctx.saved_tensors
+        u, in_bias, conv_weight, out_weight, doc_start = ctx.saved_tensors
         dtype = u.dtype
         dout = dout.to(dtype)
         do = dout @ out_weight.to(dtype)
         du, o, in_bias_grad, conv_grad = gated_conv_backward(
-            u, do, conv_weight.to(dtype), in_bias.to(dtype), impl=ctx.impl, what="model.conv_impl"
+            u, do, conv_weight.to(dtype), in_bias.to(dtype), doc_start, impl=ctx.impl, what="model.conv_impl"
         )
         dout, o = dout.reshape(-1, dout.shape[-1]), o.reshape(-1, o.shape[-1])
         out_weight_grad = dout.t() @ o
-        return du, in_bias_grad.to(in_bias.dtype), conv_grad.to(conv_weight.dtype), out_weight_grad, dout.sum(0), None
+        conv_grad = conv_grad.to(conv_weight.dtype)
+        return du, in_bias_grad.to(in_bias.dtype), conv_grad, out_weight_grad, dout.sum(0), None, None

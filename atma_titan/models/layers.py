@@ -46,16 +46,17 @@ class CausalDepthwiseConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, kernel))
         self.reset_parameters()
 
-    def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:  # x: (B, T, C)
+    def forward(self, x: torch.Tensor, state=None, doc_start=None) -> torch.Tensor:  # x: (B, T, C)
         """`state` (generation): a view of the sequences' last k - 1 inputs (B, k - 1, C) with read() and
-        write(); they stand in for the zero padding and are replaced by the new last k - 1 inputs."""
+        write(); they stand in for the zero padding and are replaced by the new last k - 1 inputs.
+        `doc_start` (training, documents kept apart): no output reads an input before its document's start."""
         k = self.kernel
         if state is None:
             padded = F.pad(x, (0, 0, k - 1, 0))
         else:
             padded = torch.cat([state.read().to(x.dtype), x], dim=1)
             state.write(padded[:, padded.shape[1] - (k - 1) :])
-        return causal_conv(padded, self.weight)
+        return causal_conv(padded, self.weight, doc_start)
 
     def reset_parameters(self) -> None:
         # nn.Conv1d's default for a depthwise kernel: U(-1/sqrt(k), 1/sqrt(k)).

@@ -42,11 +42,12 @@ class GatedDeltaMemory(nn.Module):
         computes them in one matrix product with its q, k and v (layers.fused_linear)."""
         return [self.gamma_proj, self.beta_proj, self.gate]
 
-    def forward(self, projected, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, projected, q, k, v, cache=None, doc_start=None) -> torch.Tensor:
         """projected: input_projections() of the block input, each (B, T, width); q: (B, T, H, dk);
         k, v: (B, T, Hkv, dk), expanded here to H heads.
 
         cache (generation): the block's LayerCache; the recurrence starts from its memory state.
+        doc_start (training, documents kept apart): the state is zeroed at each document start.
         """
         gamma_logit, beta_logit, gate_logit = projected
         B, T, H, D = q.shape
@@ -55,11 +56,11 @@ class GatedDeltaMemory(nn.Module):
             k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         log_gamma = F.logsigmoid(gamma_logit.float() + RETENTION_OFFSET) + self.log_gamma_max
         beta = torch.sigmoid(beta_logit.float())
-        r = self.recurrence(q, k, v, log_gamma, beta, cache)
+        r = self.recurrence(q, k, v, log_gamma, beta, cache, doc_start)
         gate = torch.sigmoid(gate_logit).reshape(B, T, H, D)
         return self.proj((rms_norm(r) * gate).reshape(B, T, H * D))
 
-    def recurrence(self, q, k, v, log_gamma, beta, cache=None) -> torch.Tensor:
+    def recurrence(self, q, k, v, log_gamma, beta, cache=None, doc_start=None) -> torch.Tensor:
         """r_t = M_t q_t by the configured kernel: over the whole sequence from a zero state, or on from
         the cache's state (a prefill chunk: chunked form, final state stored; a decode step: in place)."""
         if cache is not None and cache.decoding:
@@ -69,7 +70,7 @@ class GatedDeltaMemory(nn.Module):
         state = None if cache is None else cache.state("memory")
         r, final = gated_delta(
             q, k, v, log_gamma, beta, impl=self.impl, chunk_size=self.chunk, what="model.memory_impl",
-            initial_state=None if state is None else state.read(),
+            initial_state=None if state is None else state.read(), doc_start=doc_start,
         )  # fmt: skip
         if state is not None:
             state.write(final)

@@ -59,6 +59,8 @@ SWITCHES = {
     "reshard": ["--parallelism.reshard_after_forward", "true"],
     # AdamW for every parameter (a fused kernel), no Muon: the softmax transformer trained so.
     "adamw": ["--optimizer.name", "adamw"],
+    # Documents kept apart: every mixer stops at each EOT (data.document_mask).
+    "docmask": ["--data.document_mask", "true"],
 }
 
 

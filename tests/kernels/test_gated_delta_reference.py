@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from documents import doc_start_from_lengths
+from gated_delta_documents import PACKED_LENGTHS, assert_documents_apart
 from helpers import random_inputs
 
+from atma_titan.kernels.documents import document_resets
 from atma_titan.kernels.gated_delta.reference import (
     gated_delta_chunked,
     gated_delta_recurrent,
@@ -195,6 +198,90 @@ def test_rejects_bad_shapes_and_chunk_size():
         run(gated_delta_recurrent, {**inputs, "initial_state": inputs["initial_state"].mT})
     with pytest.raises(ValueError, match="chunk_size"):
         run(gated_delta_chunked, inputs, chunk_size=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents: the state is zeroed before each document start (doc_start)
+
+
+def chunked(chunk_size):
+    def run_chunked(*args, **kwargs):
+        return gated_delta_chunked(*args, chunk_size=chunk_size, **kwargs)
+
+    return run_chunked
+
+
+DOCUMENT_RUNS = {
+    "recurrent": gated_delta_recurrent,
+    # chunks of 8 and 4 put the reset at 8 on a chunk start; 5 and 3 put every reset inside a chunk and
+    # leave a ragged tail; 1 makes every reset a chunk start; 64 holds all of them in one chunk
+    **{f"chunked{size}": chunked(size) for size in (1, 3, 4, 5, 8, 64)},
+}
+
+
+@pytest.mark.parametrize("with_initial_state", [True, False], ids=["init", "zeros"])
+@pytest.mark.parametrize("run_name", DOCUMENT_RUNS)
+def test_packed_documents_match_each_document_alone(run_name, with_initial_state):
+    inputs = random_inputs(batch=3, seq_len=24, with_initial_state=with_initial_state, seed=40 + len(run_name))
+    doc_start = doc_start_from_lengths(PACKED_LENGTHS)
+    assert_documents_apart(DOCUMENT_RUNS[run_name], inputs, doc_start, tol=1e-10)
+
+
+@pytest.mark.parametrize("run_name", ["recurrent", "chunked5", "chunked8"])
+def test_reset_positions_get_no_log_gamma_gradient(run_name):
+    inputs = random_inputs(batch=3, seq_len=24, requires_grad=True, seed=50)
+    doc_start = doc_start_from_lengths(PACKED_LENGTHS)
+    r, state = run(DOCUMENT_RUNS[run_name], inputs, doc_start=doc_start)
+    (dlog_gamma,) = torch.autograd.grad(r.square().sum() + state.sum(), inputs["log_gamma"])
+    resets = document_resets(doc_start)
+    assert torch.equal(dlog_gamma[resets], torch.zeros_like(dlog_gamma[resets]))  # exactly, not nearly
+    assert (dlog_gamma[~resets] != 0).all()
+
+
+@pytest.mark.parametrize("run_name", ["recurrent", "chunked5"])
+def test_one_document_window_is_the_plain_run(run_name):
+    """doc_start all zero (one document, continuing the initial state) gives exactly the doc_start=None numbers."""
+    inputs = random_inputs(seq_len=13, requires_grad=True, seed=51)
+    leaves = list(inputs.values())
+    results = []
+    for doc_start in (None, torch.zeros(2, 13, dtype=torch.int32)):
+        r, state = run(DOCUMENT_RUNS[run_name], inputs, doc_start=doc_start)
+        grads = torch.autograd.grad((r * r.detach().cos()).sum() + state.square().sum(), leaves)
+        results.append((r, state, *grads))
+    for plain, one_document in zip(*results):
+        assert torch.equal(plain, one_document)
+
+
+def test_chunked_with_documents_passes_gradcheck():
+    inputs = random_inputs(batch=1, seq_len=7, heads=1, key_dim=3, value_dim=2, requires_grad=True, seed=52)
+    args = [inputs[name] for name in ("q", "k", "v", "log_gamma", "beta", "initial_state")]
+    doc_start = doc_start_from_lengths([[1, 3, 1, 2]])  # resets at 1, 4 and 5: starts and middles of chunks of 3
+
+    def fn(q, k, v, log_gamma, beta, initial_state):
+        kwargs = {"initial_state": initial_state, "doc_start": doc_start, "chunk_size": 3}
+        return gated_delta_chunked(q, k, v, log_gamma, beta, **kwargs)
+
+    assert torch.autograd.gradcheck(fn, args)
+
+
+def test_int64_doc_start_is_accepted():
+    inputs = random_inputs(batch=3, seq_len=24, seed=53)
+    doc_start = doc_start_from_lengths(PACKED_LENGTHS)
+    for fn in (gated_delta_recurrent, gated_delta_chunked):
+        r32, state32 = run(fn, inputs, doc_start=doc_start)
+        r64, state64 = run(fn, inputs, doc_start=doc_start.long())
+        assert torch.equal(r32, r64) and torch.equal(state32, state64)
+
+
+def test_rejects_bad_doc_start():
+    inputs = random_inputs(seq_len=6)
+    for fn in (gated_delta_recurrent, gated_delta_chunked):
+        with pytest.raises(ValueError, match="doc_start"):
+            run(fn, inputs, doc_start=torch.zeros(2, 7, dtype=torch.int32))
+        with pytest.raises(ValueError, match="doc_start"):
+            run(fn, inputs, doc_start=torch.zeros(6, dtype=torch.int32))
+        with pytest.raises(ValueError, match="doc_start"):
+            run(fn, inputs, doc_start=torch.zeros(2, 6))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from documents import doc_start_from_lengths
 from helpers import (
     NAMES,
     assert_relative_close,
@@ -25,7 +26,11 @@ from helpers import (
     run_interpreter_cases,
 )
 
+
+from atma_titan.kernels.documents import doc_start_from_flags
 from atma_titan.kernels.gated_delta import (
+    gated_delta,
+    gated_delta_chunked,
     gated_delta_chunked_fla,
     gated_delta_chunked_triton,
     gated_delta_step_,
@@ -84,8 +89,20 @@ def test_chunked_kernel_checks_shapes_before_launching():
     inputs = cast(random_inputs(1, 5, 1, 16, 16), torch.float32)
     with pytest.raises(ValueError, match="beta"):
         gated_delta_chunked_triton(**{**inputs, "beta": inputs["beta"][:, :3]})
+    with pytest.raises(ValueError, match="doc_start"):
+        gated_delta_chunked_triton(**inputs, doc_start=torch.zeros(1, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="slots"):
         gated_delta_step_(torch.zeros(2, 1, 16, 16), torch.zeros(2, 1), *random_step(2, 1, 16, 16, seed=0).values())
+
+
+def test_entry_point_passes_doc_start_on():
+    inputs = random_inputs(2, 20, 2, 8, 8, seed=12)
+    doc_start = doc_start_from_lengths([[5, 15], [1, 6, 13]])
+    expected = gated_delta_chunked(**inputs, chunk_size=4, doc_start=doc_start)
+    actual = gated_delta(**inputs, impl="reference", chunk_size=4, doc_start=doc_start)
+    plain = gated_delta(**inputs, impl="reference", chunk_size=4)
+    for a, e, p in zip(actual, expected, plain):
+        assert torch.equal(a, e) and not torch.allclose(a, p)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla is installed")
@@ -115,6 +132,22 @@ def test_chunked_kernel_bf16_on_gpu(batch, seq_len, heads, key_dim, value_dim, w
         batch, seq_len, heads, key_dim, value_dim, with_initial_state=with_initial_state, seed=seq_len, device="cuda"
     )
     compare_to_float64(gated_delta_chunked_triton, inputs, torch.bfloat16, tol=3e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,seq_len,heads,key_dim,value_dim,with_initial_state", GPU_CASES[:3])
+def test_chunked_kernel_with_documents_on_gpu(batch, seq_len, heads, key_dim, value_dim, with_initial_state):
+    """Random document starts (about one per 40 tokens), plus a reset on a chunk start, one mid-chunk and a
+    length-1 document, against the float64 reference with the same doc_start."""
+    gen = torch.Generator().manual_seed(seq_len)
+    starts = torch.rand(batch, seq_len, generator=gen) < 1 / 40
+    starts[:, [64, 100, 101]] = True
+    doc_start = doc_start_from_flags(starts).cuda()
+    inputs = random_inputs(
+        batch, seq_len, heads, key_dim, value_dim, with_initial_state=with_initial_state, seed=seq_len, device="cuda"
+    )
+    compare_to_float64(gated_delta_chunked_triton, inputs, torch.bfloat16, tol=3e-2, doc_start=doc_start)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from helpers import PARAM_NAMES, make_inputs, random_cotangents, run_interpreter_cases
+from documents import doc_start_from_starts
 
 from atma_titan.kernels.polar import polar_attention_naive, polar_attention_triton
 
@@ -51,8 +52,8 @@ def _rounded_pair(inputs, dtype, device):
     return low, [x.detach().double().requires_grad_() for x in low]
 
 
-def _grads(fn, inputs, g_c, g_mag, window):
-    c, mag = fn(*inputs, window=window)
+def _grads(fn, inputs, g_c, g_mag, window, doc_start=None):
+    c, mag = fn(*inputs, window=window, doc_start=doc_start)
     loss = (c.float() * g_c).sum() + (mag.float() * g_mag).sum()
     return (c, mag), torch.autograd.grad(loss, inputs)
 
@@ -84,6 +85,35 @@ def test_bf16_matches_float64(case):
         # test_float32_inputs_on_gpu checks the same sums tightly.
         tol = 0.03 if name in ("q", "k", "v") else 0.05
         assert err <= tol * scale + 1e-3, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "window"), [(torch.bfloat16, 0), (torch.bfloat16, 300), (torch.float32, 300)])
+def test_documents_match_float64(dtype, window):
+    """Packed documents of 1 to 400 tokens (doc_start) at the 370M model's head shapes, against float64."""
+    b, t, h, hkv, d = 2, 1000, 8, 2, 128
+    gen = torch.Generator().manual_seed(25)
+    starts = [torch.randint(1, 400, (30,), generator=gen).cumsum(0) for _ in range(b)]
+    doc_start = doc_start_from_starts(t, *([int(s) for s in row if s < t] for row in starts)).cuda()
+    low, inputs64 = _rounded_pair(make_inputs(b, t, t, h, hkv, d, seed=26), dtype, "cuda")
+    c_ref, mag_ref = polar_attention_naive(*inputs64, window=window, doc_start=doc_start)
+    g_c, g_mag = (g.to(dtype).double().cuda() for g in random_cotangents(c_ref.cpu(), mag_ref.cpu()))
+    (c, mag), actual = _grads(polar_attention_triton, low, g_c.float(), g_mag.float(), window, doc_start)
+    _, expected = _grads(polar_attention_naive, inputs64, g_c, g_mag, window, doc_start)
+    # the tolerances of test_bf16_matches_float64 and test_float32_inputs_on_gpu
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(c.double(), c_ref, **tol)
+    torch.testing.assert_close(mag.double(), mag_ref, **tol)
+    for name, a, e in zip(PARAM_NAMES, actual, expected):
+        assert a.dtype == dtype, name
+        scale = e.abs().max().item()
+        err = (a.double() - e).abs().max().item()
+        if dtype == torch.bfloat16:
+            bound = (0.03 if name in ("q", "k", "v") else 0.05) * scale + 1e-3
+        else:
+            bound = 1e-4 * scale + 1e-5
+        assert err <= bound, f"{name}: max error {err:.3g} vs scale {scale:.3g}"
 
 
 @needs_cuda

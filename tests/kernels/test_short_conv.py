@@ -1,7 +1,7 @@
 """The LFM2 conv block's one-pass backward (atma_titan.kernels.short_conv, models/conv.py): interpreter cases (in
 a subprocess), the reference and the mixer's hand-written backward against autograd in float64 (with the
-kernel's selection, generation's conv state, autocast and selective AC), and bf16 on the GPU against float64
-(skipped without CUDA):
+kernel's selection, generation's conv state, autocast and selective AC), packed documents (doc_start) against
+each document alone, and bf16 on the GPU against float64 (skipped without CUDA):
     python -m pytest -q -p no:cacheprovider tests/kernels/test_short_conv.py -m gpu
 """
 
@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_interpreter_cases
+from documents import doc_start_from_lengths
+from short_conv_documents import each_document_alone
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from atma_titan.kernels.short_conv import gated_conv, gated_conv_backward, gated_conv_backward_reference
+from atma_titan.kernels.short_conv import causal_conv, gated_conv, gated_conv_backward, gated_conv_backward_reference
 from atma_titan.models.conv import GatedShortConv
 from atma_titan.models.flavors import FLAVORS
 from atma_titan.parallel.parallelize import selective_policy
@@ -76,6 +78,79 @@ def test_sequences_do_not_mix():
     torch.testing.assert_close(first[1][0], second[1][0])
 
 
+# documents at 0 only, mid-sequence, of length 1 (two in a row, one last), every token one, one at position 2
+DOCUMENTS = [[10], [3, 1, 1, 4, 1], [1] * 10, [2, 8]]
+
+
+@pytest.mark.parametrize("kernel", [1, 3, 4])
+def test_packed_documents_have_each_documents_outputs_and_gradients_alone(kernel):
+    doc_start = doc_start_from_lengths(DOCUMENTS)
+    u = torch.randn(4, 10, 15, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(15, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(5, kernel, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(4, 10, 5, dtype=torch.float64)
+    want = each_document_alone(u.detach(), do, weight.detach(), bias.detach(), doc_start)
+    got = gated_conv_backward_reference(u.detach(), do, weight.detach(), bias.detach(), doc_start)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    o = gated_conv(u + bias, weight, doc_start)
+    torch.testing.assert_close(o.detach(), want[1])
+    for a, b in zip(grads(o, [u, bias, weight], do), [want[0], want[2], want[3]]):
+        torch.testing.assert_close(a, b)
+
+
+def test_one_document_a_sequence_is_no_documents():
+    u, do, weight, bias = (torch.randn(*shape, dtype=torch.float64) for shape in [(2, 9, 12), (2, 9, 4), (4, 3), (12,)])
+    one = torch.zeros(2, 9, dtype=torch.int32)
+    for a, b in zip(
+        gated_conv_backward_reference(u, do, weight, bias, one), gated_conv_backward_reference(u, do, weight, bias)
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(gated_conv(u, weight, one), gated_conv(u, weight), rtol=0, atol=0)
+
+
+def test_causal_conv_reads_the_history_before_the_window_only_for_the_document_it_continues():
+    """Generation's conv state stands in for the padding: the window's first document (doc_start 0) reads it,
+    a document that begins later reads nothing before its start."""
+    k, doc_start = 3, doc_start_from_lengths([[4, 1, 2], [7], [1] * 7])
+    history, x = torch.randn(3, k - 1, 6, dtype=torch.float64), torch.randn(3, 7, 6, dtype=torch.float64)
+    weight = torch.randn(6, k, dtype=torch.float64)
+    padded = torch.cat([history, x], dim=1)
+    want = torch.zeros_like(x)
+    for b, t, j in ((b, t, j) for b in range(3) for t in range(7) for j in range(k)):
+        read = t - (k - 1) + j  # the input position tap j of output t reads (< 0: the history)
+        if read >= doc_start[b, t] or doc_start[b, t] == 0:
+            want[b, t] += weight[:, j] * padded[b, t + j]
+    torch.testing.assert_close(causal_conv(padded, weight, doc_start), want)
+    first_document = doc_start == 0
+    plain = causal_conv(padded, weight)
+    torch.testing.assert_close(causal_conv(padded, weight, doc_start)[first_document], plain[first_document])
+
+
+def test_a_doc_start_of_the_wrong_shape_or_dtype_is_refused():
+    u, do, weight = torch.randn(2, 5, 12), torch.randn(2, 5, 4), torch.randn(4, 3)
+    padded = torch.randn(2, 7, 4)
+    for bad in [torch.zeros(2, 4, dtype=torch.int32), torch.zeros(5, dtype=torch.int32), torch.zeros(2, 5)]:
+        for call in [
+            lambda: causal_conv(padded, weight, bad),
+            lambda: gated_conv(u, weight, bad),
+            lambda: gated_conv_backward_reference(u, do, weight, None, bad),
+            lambda: gated_conv_backward(u, do, weight, None, bad, impl="reference"),
+        ]:
+            with pytest.raises(ValueError, match="doc_start"):
+                call()
+
+
+def test_the_custom_ops_fake_takes_a_doc_start():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        u, do, weight, bias = torch.empty(2, 5, 12), torch.empty(2, 5, 4), torch.empty(4, 3), torch.empty(12)
+        doc_start = torch.zeros(2, 5, dtype=torch.int32)
+        dz, o, sums, dw = torch.ops.atma.gated_conv_backward(u, do, weight, bias, doc_start)
+    assert (dz.shape, o.shape, sums.shape, dw.shape) == (u.shape, do.shape, bias.shape, weight.shape)
+
+
 def test_the_mixers_backward_is_autograds():
     mixer, h = mixer_and_input()
     out, _ = mixer(h)
@@ -131,7 +206,8 @@ def test_the_function_saves_only_its_inputs_and_in_projs_matmul_stays_outside_it
     autograd.Function for recomputation, so the Function saves only inputs and in_proj's matmul runs outside."""
     mixer, h = mixer_and_input()
     node = mixer(h)[0].grad_fn
-    u, in_bias, conv_weight, out_weight = node.saved_tensors
+    u, in_bias, conv_weight, out_weight, doc_start = node.saved_tensors
+    assert doc_start is None  # one document a sequence
     assert in_bias is mixer.in_proj.bias and conv_weight is mixer.conv.weight and out_weight is mixer.out_proj.weight
     torch.testing.assert_close(u, F.linear(h, mixer.in_proj.weight), rtol=0, atol=0)
     matmul = node.next_functions[0][0]
@@ -187,6 +263,11 @@ def test_bad_shapes_are_refused_by_the_kernel_launcher():
         _check(u, do, torch.zeros(4, 5), None)
     with pytest.raises(ValueError, match=r"bias \(4,\) must be"):
         _check(u, do, w, torch.zeros(4))
+    _check(u, do, w, None, torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"doc_start must have shape \(2, 5\)"):
+        _check(u, do, w, None, torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="doc_start must be an integer tensor"):
+        _check(u, do, w, None, torch.zeros(2, 5))
 
 
 @pytest.mark.gpu

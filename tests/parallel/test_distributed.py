@@ -59,6 +59,23 @@ def test_sigterm_then_restart_resumes_exactly(tmp_path):
     assert [split[s] for s in range(6, 11)] == [straight[s] for s in range(6, 11)]  # bit-identical
 
 
+def test_document_mask_on_two_ranks_matches_one_process_and_resumes_exactly(tmp_path):
+    """data.document_mask under FSDP2: 2 ranks follow 1 process, and a SIGTERM-and-restart continues bit for bit."""
+    common = [*TINY, "--data.document_mask", "true", "--training.steps", "6"]
+    common += ["--checkpoint.enable", "true", "--checkpoint.interval", "100"]
+    ok(run_trainer(1, *common, "--job.dump_folder", str(tmp_path / "one")))
+    ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "two")))
+    stopped = ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split"), "--debug.signal_at_step", "3"))
+    assert "received SIGTERM" in stopped.stderr
+    ok(run_trainer(2, *common, "--job.dump_folder", str(tmp_path / "split")))
+    one, two, split = (losses(tmp_path / name) for name in ("one", "two", "split"))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-4), step
+    assert [split[s] for s in (4, 5, 6)] == [two[s] for s in (4, 5, 6)]  # bit-identical
+    ok(run_trainer(1, *TINY, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "plain")))
+    assert losses(tmp_path / "plain")[3] != one[3]  # the windows hold documents: the mask changed the loss
+
+
 @pytest.mark.parametrize("saved_at, resumed_at", [(2, 1), (1, 2)])
 def test_reshard_resume_continues_the_same_token_stream(tmp_path, saved_at, resumed_at):
     common = [*TINY, "--checkpoint.enable", "true", "--checkpoint.interval", "100", "--training.steps", "6"]
@@ -72,7 +89,8 @@ def test_reshard_resume_continues_the_same_token_stream(tmp_path, saved_at, resu
 
 
 def test_every_option_on_trains(tmp_path):
-    """AC + compile (fullgraph: a graph break in a block is an error) + FSDP2 + async checkpoints + workers.
+    """AC + compile (fullgraph: a graph break in a block is an error) + FSDP2 + async checkpoints + workers,
+    with documents kept apart (doc_start reaches every compiled block).
     Selective AC, the recipe's (full AC's gradients: tests/parallel/test_activation_checkpoint.py)."""
     for mode in ("selective",):
         folder = tmp_path / mode
@@ -100,6 +118,8 @@ def test_every_option_on_trains(tmp_path):
                 "1",
                 "--model.distractor_weight",
                 "0.01",
+                "--data.document_mask",
+                "true",
                 "--eval.interval",
                 "2",
                 "--eval.needle_gaps",

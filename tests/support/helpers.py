@@ -2,8 +2,9 @@
 with known outputs, and the small training jobs the trainer and eval tests run.
 
 Polar attention: `make_inputs`, `random_cotangents`, `grads_of` (tests/kernels/test_polar_reference.py,
-tests/kernels/interpreter/polar_triton_cases.py, tests/kernels/test_polar_triton.py). Gated delta rule:
-`random_inputs`, `cast`, `random_step`, `exact_step`, `compare_to_float64`, `assert_relative_close`
+tests/kernels/interpreter/polar_triton_cases.py, tests/kernels/test_polar_triton.py); `documents_alone`
+(tests/kernels/test_polar_documents.py, tests/kernels/interpreter/polar_documents_cases.py).
+Gated delta rule: `random_inputs`, `cast`, `random_step`, `exact_step`, `compare_to_float64`, `assert_relative_close`
 (tests/kernels/test_gated_delta_reference.py, tests/kernels/interpreter/gated_delta_triton_cases.py,
 tests/kernels/test_gated_delta_triton.py). Evaluation: `HandModel`, `Induction` (tests/eval/test_eval.py,
 tests/eval/test_eval_records.py). Training: `SMALL`, `EVAL_TRAIN`.
@@ -22,6 +23,7 @@ from torch import nn
 
 from atma_titan.kernels.gated_delta.reference import gated_delta_chunked, gated_delta_recurrent, gated_delta_step
 from distributed_utils import ROOT
+from documents import document_spans
 
 F64 = torch.float64
 
@@ -64,6 +66,28 @@ def grads_of(fn, inputs, g_c, g_mag, **kw):
     c, mag = fn(*inputs, **kw)
     loss = (c * g_c).sum() + (mag * g_mag).sum()
     return torch.autograd.grad(loss, inputs)
+
+
+def documents_alone(fn, inputs, doc_start, g_c, g_mag, **kw):
+    """What `fn(*inputs, doc_start=doc_start, **kw)` must give: each document of each sequence run alone
+    (doc_start=None on its slice of q, k, v), assembled into the packed layout. Returns c, mag and the
+    gradients of <c, g_c> + <mag, g_mag> with respect to every input (the per-head ones summed over the
+    documents). With Tq < Tk a document's queries are its positions among the last Tq."""
+    q, k, v, *params = inputs
+    tq, tk = q.shape[1], k.shape[1]
+    offset = tk - tq
+    c, mag = torch.empty_like(q), q.new_empty(q.shape[:3])
+    loss = 0.0
+    for b in range(q.shape[0]):
+        for first, end in document_spans(doc_start)[b]:
+            rows = slice(max(first, offset) - offset, end - offset)
+            if rows.start >= rows.stop:
+                continue  # a document wholly before the queries
+            c_doc, mag_doc = fn(q[b : b + 1, rows], k[b : b + 1, first:end], v[b : b + 1, first:end], *params, **kw)
+            c[b, rows], mag[b, rows] = c_doc[0].detach(), mag_doc[0].detach()
+            loss = loss + (c_doc[0] * g_c[b, rows]).sum() + (mag_doc[0] * g_mag[b, rows]).sum()
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
+    return c, mag, grads
 
 
 # ---------------------------------------------------------------------------------------------

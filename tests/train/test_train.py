@@ -38,6 +38,12 @@ def test_debug_config_trains_and_loss_falls(tmp_path):
     for key in ("loss", "lr", "grad_norm", "tokens_per_second", "mfu"):
         assert key in rows[0]
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    # The README shows this run's first and last loss: any change to what the default model computes (a kernel's
+    # rounding included, e.g. a new code path with its switch off) shows here.
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for step in (1, 100):
+        shown = re.search(rf"^step +{step} \| loss ([0-9.]+)", readme, re.M).group(1)
+        assert f"{rows[0 if step == 1 else -1]['loss']:.4f}" == shown, f"step {step}: README shows loss {shown}"
     assert (tmp_path / "config.toml").read_text() == load_config(
         ["--config", "train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path)]
     ).to_toml()

@@ -8,6 +8,10 @@
 - triton_chunked.py, triton_step.py: the Triton kernels (chunked forward / backward, decode step)
   and their launchers.
 
+Every chunked entry point takes `doc_start` (B, T) (kernels/documents.py): the state is zeroed before
+each document start, so the documents packed in one window stay apart; the decode step serves one
+document per sequence.
+
 Importing this package does not import triton: the kernels load on first use (ops.py).
 """
 

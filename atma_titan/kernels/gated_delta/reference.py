@@ -23,6 +23,14 @@ independent of S and computed for all chunks at once. Per chunk, sequentially:
     R     = diag(G) Q S^T + (Q K^T * D) U           D_ts = exp(g_t - g_s) for s <= t, else 0
     S_new = G_C S + U^T diag(exp(g_C - g)) K        (one state hand-off per chunk)
 
+Documents (`doc_start`, kernels/documents.py): at every t > 0 where a document begins the state is
+zeroed before step t (M_{t-1} := 0), so gamma_t has no effect there. In the chunked form, seg_t counts
+the resets at rows <= t of the chunk; everything that carries the state across a reset is masked out:
+D_ts and A_ts keep only seg_t == seg_s, G_t only seg_t == 0, exp(g_C - g_s) only seg_s == seg_C and G_C
+only a chunk without resets. g stays a cumulative sum within the chunk, with log_gamma set to 0 at the
+resets: that moves g by a constant within each later segment, which every masked term cancels, and
+makes the resets' log_gamma gradient exactly zero.
+
 Layout: q, k (B, T, H, Dk); v (B, T, H, Dv); log_gamma, beta (B, T, H); state (B, H, Dv, Dk).
 All arithmetic is float32 (float64 if any of q, k, v is float64); r comes back in v's dtype.
 """
@@ -31,6 +39,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from atma_titan.kernels.documents import check_doc_start, document_resets
 
 __all__ = ["gated_delta_recurrent", "gated_delta_chunked", "gated_delta_step", "gated_delta_step_inplace"]
 
@@ -68,18 +78,23 @@ def gated_delta_recurrent(
     *,
     initial_state: torch.Tensor | None = None,
     normalize_qk: bool = True,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ground truth: the exact per-token recurrence, a Python loop over t.
 
+    doc_start (B, T) int: the state is zeroed before each document start t > 0 (kernels/documents.py).
     Returns (r (B, T, H, Dv) in v's dtype, final_state (B, H, Dv, Dk) in the compute dtype).
     """
-    _check_shapes(q, k, v, log_gamma, beta, initial_state)
+    _check_shapes(q, k, v, log_gamma, beta, initial_state, doc_start)
     dtype, out_dtype = _compute_dtype(q, k, v), v.dtype
     q, k, v, log_gamma, beta = _to_head_major(q, k, v, log_gamma, beta, dtype, normalize_qk)
     state = _initial_state(initial_state, q, v, dtype)
+    resets = None if doc_start is None else document_resets(doc_start)[:, :, None, None, None]  # (B, T, 1, 1, 1)
 
     outputs = []
     for t in range(q.shape[2]):
+        if resets is not None:
+            state = state.masked_fill(resets[:, t], 0.0)
         r_t, state = gated_delta_step(state, q[:, :, t], k[:, :, t], v[:, :, t], log_gamma[:, :, t], beta[:, :, t])
         outputs.append(r_t)
     r = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
@@ -96,15 +111,17 @@ def gated_delta_chunked(
     initial_state: torch.Tensor | None = None,
     normalize_qk: bool = True,
     chunk_size: int = 64,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked (WY / UT) form of the same recurrence; differentiable by plain autograd.
 
     Same arguments and results as gated_delta_recurrent. A tail shorter than chunk_size is padded
     with beta = 0, log_gamma = 0 (an identity step), so it changes neither r nor the state.
+    Document resets are exact anywhere in a chunk (segment masks, see the module docstring).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    _check_shapes(q, k, v, log_gamma, beta, initial_state)
+    _check_shapes(q, k, v, log_gamma, beta, initial_state, doc_start)
     dtype, out_dtype = _compute_dtype(q, k, v), v.dtype
     q, k, v, log_gamma, beta = _to_head_major(q, k, v, log_gamma, beta, dtype, normalize_qk)
     state = _initial_state(initial_state, q, v, dtype)
@@ -113,15 +130,25 @@ def gated_delta_chunked(
         return _to_time_major(v).to(out_dtype), state
 
     chunk = min(chunk_size, seq_len)  # no point padding past the sequence
+    segments = None
+    if doc_start is not None:
+        resets = document_resets(doc_start).unsqueeze(1)  # (B, 1, T), shared by the heads
+        log_gamma = log_gamma.masked_fill(resets, 0.0)  # a reset's gamma multiplies a zeroed state
+        segments = _split_chunks(resets.long(), chunk).cumsum(dim=-1)  # seg_t, (B, 1, N, C)
     q, k, v, log_gamma, beta = (_split_chunks(x, chunk) for x in (q, k, v, log_gamma, beta))
     log_decay = log_gamma.cumsum(dim=-1)  # g_t, (B, H, N, C)
-    causal_decay = _causal_decay_matrix(log_decay)  # D, (B, H, N, C, C)
-    w, u_tilde = _ut_transform(k, v, beta, log_decay, causal_decay)
+    causal_decay = _causal_decay_matrix(log_decay, segments)  # D, (B, H, N, C, C)
+    # G_t, taken twice: one exp shared by the UT transform and q_from_start would add their gradients before
+    # the product and round differently from the form without documents (whose runs stay bit for bit).
+    at_start = None if segments is None else segments == 0
+    w, u_tilde = _ut_transform(k, v, beta, _masked_exp(log_decay, at_start), causal_decay)
 
     intra_scores = (q @ k.transpose(-1, -2)) * causal_decay
-    q_from_start = q * log_decay.exp().unsqueeze(-1)  # G_t q_t: reads the chunk's start state
-    k_to_end = k * (log_decay[..., -1:] - log_decay).exp().unsqueeze(-1)  # decays writes to chunk end
-    chunk_decay = log_decay[..., -1].exp()[..., None, None]  # G_C, (B, H, N, 1, 1)
+    q_from_start = q * _masked_exp(log_decay, at_start).unsqueeze(-1)  # G_t q_t: reads the chunk's start state
+    last_segment = None if segments is None else segments == segments[..., -1:]
+    k_to_end = k * _masked_exp(log_decay[..., -1:] - log_decay, last_segment).unsqueeze(-1)  # writes to chunk end
+    no_reset = None if segments is None else segments[..., -1] == 0
+    chunk_decay = _masked_exp(log_decay[..., -1], no_reset)[..., None, None]  # G_C, (B, H, N, 1, 1)
 
     outputs = []
     for n in range(q.shape[2]):
@@ -136,7 +163,7 @@ def _ut_transform(
     k: torch.Tensor,
     v: torch.Tensor,
     beta: torch.Tensor,
-    log_decay: torch.Tensor,
+    from_start: torch.Tensor,
     causal_decay: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """W = (I + A)^{-1} diag(beta G) K and U~ = (I + A)^{-1} diag(beta) V for every chunk at once."""
@@ -144,21 +171,30 @@ def _ut_transform(
     strictly_lower = (beta.unsqueeze(-1) * key_overlap).tril(diagonal=-1)
     eye = torch.eye(k.shape[-2], dtype=k.dtype, device=k.device)
     system = eye + strictly_lower
-    rhs = torch.cat([(beta * log_decay.exp()).unsqueeze(-1) * k, beta.unsqueeze(-1) * v], dim=-1)
+    rhs = torch.cat([(beta * from_start).unsqueeze(-1) * k, beta.unsqueeze(-1) * v], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     return solved.split([k.shape[-1], v.shape[-1]], dim=-1)
 
 
-def _causal_decay_matrix(log_decay: torch.Tensor) -> torch.Tensor:
-    """exp(g_t - g_s) for s <= t, 0 above the diagonal.
+def _causal_decay_matrix(log_decay: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(g_t - g_s) for s <= t (and seg_s == seg_t with documents), 0 elsewhere.
 
     The mask is applied in log space before exp: above the diagonal g_t - g_s > 0 can overflow,
     and a masked inf would turn into NaN gradients.
     """
     diff = log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)
     size = log_decay.shape[-1]
-    causal = torch.ones(size, size, dtype=torch.bool, device=log_decay.device).tril()
-    return diff.masked_fill(~causal, float("-inf")).exp()
+    keep = torch.ones(size, size, dtype=torch.bool, device=log_decay.device).tril()
+    if segments is not None:
+        keep = keep & (segments.unsqueeze(-1) == segments.unsqueeze(-2))
+    return diff.masked_fill(~keep, float("-inf")).exp()
+
+
+def _masked_exp(log_x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """exp(log_x) where keep (everywhere if keep is None), exactly 0 elsewhere (masked in log space)."""
+    if keep is None:
+        return log_x.exp()
+    return log_x.masked_fill(~keep, float("-inf")).exp()
 
 
 def _split_chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -200,7 +236,7 @@ def _initial_state(initial_state, q, v, dtype) -> torch.Tensor:
     return initial_state.to(dtype)
 
 
-def _check_shapes(q, k, v, log_gamma, beta, initial_state) -> None:
+def _check_shapes(q, k, v, log_gamma, beta, initial_state, doc_start=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, T, H, D)")
     batch, _, heads, key_dim = k.shape
@@ -214,6 +250,7 @@ def _check_shapes(q, k, v, log_gamma, beta, initial_state) -> None:
     expected_state = (batch, heads, v.shape[-1], key_dim)
     if initial_state is not None and tuple(initial_state.shape) != expected_state:
         raise ValueError(f"initial_state {tuple(initial_state.shape)} must be (B, H, Dv, Dk) = {expected_state}")
+    check_doc_start(doc_start, batch, k.shape[1])
 
 
 def gated_delta_step_inplace(

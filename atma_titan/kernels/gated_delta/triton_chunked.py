@@ -24,6 +24,16 @@ than have the backward run _prepare_kernel and _state_fwd_kernel again):
                     recurrence), the reverse cumsum of dg into dlog_gamma and the L2 normalisation.
                     Two kernels, not one: one held the accumulators of both and spilled.
 
+Documents (doc_start, kernels/documents.py): the state is zeroed before each document start, exactly,
+wherever it falls in a chunk. Every kernel masks what carries the state across a reset, as reference.py's
+chunked form does: the decay matrix D and A within one segment, G_t to segment 0, exp(g_C - g_t) to the
+last segment, G_C to chunks without a reset; the prepare kernel leaves the resets' log_gamma out of g and
+_grad_output_kernel zeroes their gradient. The chunk-parallel kernels read the segments of their chunk off
+doc_start (_chunk_documents: rows of one document). The sequential kernels, whose per-chunk latency is the
+recurrence's, read two scalars a chunk instead, its first and last reset rows (reset_rows, _new_reset_rows),
+which the first chunk-parallel kernel of each direction (_prepare_kernel, _dv_local_kernel) writes.
+HAS_DOCS (constexpr) = False compiles the kernels of before.
+
 Only the Triton kernels and their launchers live here; torch.library registration and the
 `gated_delta(..., impl=)` entry point are in ops.py, the decode step in triton_step.py. Importing this
 module imports triton: on CPU that only works with TRITON_INTERPRET=1 set beforehand
@@ -198,13 +208,97 @@ def _inverse_ptrs(ptr, bh, n, n_chunks, rows, C: tl.constexpr):
 
 
 @triton.jit
-def _decay_matrix(g, rows, STRICT: tl.constexpr):
-    """exp(g_t - g_s) for s < t (STRICT) or s <= t, else 0; masked in log space so nothing overflows."""
+def _chunk_documents(doc_start_ptr, b, n, t, t_mask, T, C: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """The segments of chunk n (rows of one document, see reference.py), read off doc_start (B, T) int32
+    without a scan, for its rows t: (first, continues, in_last, no_reset, resets).
+
+    first: the row where t's segment begins (0 for the chunk's first segment), so seg_s == seg_t for s <= t
+    exactly when s >= first_t; continues: t's segment is segment 0, the one that reads the chunk's start
+    state (its document began before the chunk, or is the window's first); in_last: t's segment is the
+    chunk's last; no_reset: the chunk holds no reset (one segment); resets: a document begins at t > 0.
+    Without documents nothing is loaded or computed: the callers read none of it (the constants below
+    are dropped by the compiler)."""
+    if HAS_DOCS:
+        row_starts = doc_start_ptr + b.to(tl.int64) * T
+        starts = tl.load(row_starts + t, mask=t_mask, other=-1)
+        chunk_start = n * C
+        first = tl.maximum(starts - chunk_start, 0)
+        continues = (starts < chunk_start) | (starts == 0)
+        last_start = tl.load(row_starts + tl.minimum(chunk_start + C, T) - 1)  # the chunk's last token's document
+        in_last = starts == last_start
+        no_reset = (last_start < chunk_start) | (last_start == 0)
+        resets = (starts == t) & (t > 0)
+    else:
+        first = t * 0
+        continues = t >= 0
+        in_last = continues
+        no_reset = True
+        resets = t < 0
+    return first, continues, in_last, no_reset, resets
+
+
+@triton.jit
+def _store_reset_rows(reset_rows_ptr, resets, rows, b, n, n_chunks, owner, C: tl.constexpr):
+    """Chunk n's first and last reset rows (C and -1 where it holds none), from _chunk_documents' resets, into
+    the (B, n_chunks, 2) int32 reset_rows; one program of the chunk (owner) writes them."""
+    first = tl.min(tl.where(resets, rows, C), axis=0)
+    last = tl.max(tl.where(resets, rows, -1), axis=0)
+    chunk = reset_rows_ptr + (b * n_chunks + n) * 2
+    tl.store(chunk, first, mask=owner)
+    tl.store(chunk + 1, last, mask=owner)
+
+
+@triton.jit
+def _chunk_resets(reset_rows_ptr, b, n, n_chunks, rows, HAS_DOCS: tl.constexpr):
+    """(continues, in_last, no_reset) of _chunk_documents for chunk n, from the two scalars _store_reset_rows
+    wrote: what the sequential kernels need, without reading doc_start. (They differ from _chunk_documents'
+    only on the padding rows past T, whose q and k are zero.)"""
+    if HAS_DOCS:
+        chunk = reset_rows_ptr + (b * n_chunks + n) * 2
+        first = tl.load(chunk)
+        last = tl.load(chunk + 1)
+        continues = rows < first
+        in_last = rows >= last
+        no_reset = last < 0
+    else:
+        continues = rows >= 0
+        in_last = continues
+        no_reset = True
+    return continues, in_last, no_reset
+
+
+@triton.jit
+def _decay_matrix(g, rows, first, STRICT: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """exp(g_t - g_s) for s < t (STRICT) or s <= t, within t's segment (s >= first_t, HAS_DOCS), else 0;
+    masked in log space so nothing overflows."""
     if STRICT:
         keep = rows[:, None] > rows[None, :]
     else:
         keep = rows[:, None] >= rows[None, :]
+    if HAS_DOCS:
+        keep = keep & (rows[None, :] >= first[:, None])
     return tl.exp(tl.where(keep, g[:, None] - g[None, :], float("-inf")))
+
+
+@triton.jit
+def _from_start(g, continues, HAS_DOCS: tl.constexpr):
+    """G_t = exp(g_t): how much of the chunk's start state row t reads; 0 after a reset in the chunk."""
+    decay = tl.exp(g)
+    if HAS_DOCS:
+        decay = tl.where(continues, decay, 0.0)
+    return decay
+
+
+@triton.jit
+def _to_end(g, g_end, in_last, no_reset, HAS_DOCS: tl.constexpr):
+    """(exp(g_C - g_t), G_C = exp(g_C)): how row t's write and the chunk's start state reach its end state;
+    0 for a write before the chunk's last reset, and for the start state of a chunk that holds a reset."""
+    to_end = tl.exp(g_end - g)
+    chunk_decay = tl.exp(g_end)
+    if HAS_DOCS:
+        to_end = tl.where(in_last, to_end, 0.0)
+        chunk_decay = tl.where(no_reset, chunk_decay, 0.0)
+    return to_end, chunk_decay
 
 
 @triton.jit
@@ -257,6 +351,8 @@ def _prepare_kernel(
     w_ptr,
     u_tilde_ptr,
     T,
+    doc_start_ptr,
+    reset_rows_ptr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
@@ -264,6 +360,7 @@ def _prepare_kernel(
     BVF: tl.constexpr,
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PREC: tl.constexpr,
     INV_PREC: tl.constexpr,
     STORE_INVERSE: tl.constexpr,
@@ -277,6 +374,10 @@ def _prepare_kernel(
     gates = _gate_offsets(b, h, t, T, H)
     log_gamma = tl.load(log_gamma_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
+    first, continues, _, _, resets = _chunk_documents(doc_start_ptr, b, n, t, t_mask, T, C, HAS_DOCS)
+    if HAS_DOCS:  # a reset's gamma multiplies a zeroed state: dropped from g, its gradient is exactly 0
+        log_gamma = tl.where(resets, 0.0, log_gamma)
+        _store_reset_rows(reset_rows_ptr, resets, rows, b, n, n_chunks, h == 0, C)  # for _state_fwd_kernel
     g = tl.cumsum(log_gamma, axis=0)
     tl.store(_decay_ptrs(g_ptr, bh, t, padded_len), g)
 
@@ -284,21 +385,25 @@ def _prepare_kernel(
     k_dt = k.to(DT)
     key_overlap = tl.dot(k_dt, tl.trans(k_dt), input_precision=PREC)
     # A^T, built directly (key_overlap is symmetric): A[i, j] = beta_i k_i.k_j exp(g_i - g_j) for j < i
-    decay_t = tl.exp(tl.where(rows[:, None] < rows[None, :], g[None, :] - g[:, None], float("-inf")))
+    # (and j in i's segment)
+    later = rows[:, None] < rows[None, :]
+    if HAS_DOCS:
+        later = later & (rows[:, None] >= first[None, :])
+    decay_t = tl.exp(tl.where(later, g[None, :] - g[:, None], float("-inf")))
     inverse_dt = _unit_lower_inverse(key_overlap * beta[None, :] * decay_t, rows, C, INV_PREC).to(DT)
     if STORE_INVERSE:  # only the backward reads it (in the dtype of the products it feeds)
         tl.store(_inverse_ptrs(inverse_ptr, bh, n, n_chunks, rows, C), inverse_dt)
 
     # k again (an L2 hit) rather than holding it in registers across the inverse
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
-    w = tl.dot(inverse_dt, (k * (beta * tl.exp(g))[:, None]).to(DT), input_precision=PREC)
+    w = tl.dot(inverse_dt, (k * (beta * _from_start(g, continues, HAS_DOCS))[:, None]).to(DT), input_precision=PREC)
     tl.store(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), w.to(DT), mask=(k_cols < DK)[None, :])
     v = _load_tokens(v_ptr, b, h, t, t_mask, v_cols, T, H, DV)
     u_tilde = tl.dot(inverse_dt, (v * beta[:, None]).to(DT), input_precision=PREC)
     tl.store(_workspace_ptrs(u_tilde_ptr, bh, t, v_cols, padded_len, DV), u_tilde.to(DT), mask=(v_cols < DV)[None, :])
 
 
-@_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE", "HAS_DOCS"])
 @triton.jit
 def _state_fwd_kernel(
     k_ptr,
@@ -310,12 +415,14 @@ def _state_fwd_kernel(
     initial_ptr,
     final_ptr,
     T,
+    reset_rows_ptr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     HAS_INITIAL: tl.constexpr,
     PREC: tl.constexpr,
     BV: tl.constexpr,
@@ -345,13 +452,15 @@ def _state_fwd_kernel(
 
         u = (u_tilde - tl.dot(w, tl.trans(state.to(DT)), input_precision=PREC)).to(DT)  # the deltas, (C, BV)
         tl.store(_workspace_ptrs(u_ptr, bh, t, v_cols, padded_len, DV), u, mask=v_in)
-        k_to_end = (k * tl.exp(g_end - g)[:, None]).to(DT)
-        state = state * tl.exp(g_end) + tl.dot(tl.trans(u), k_to_end, input_precision=PREC)
+        _, in_last, no_reset = _chunk_resets(reset_rows_ptr, b, n, n_chunks, rows, HAS_DOCS)
+        to_end, chunk_decay = _to_end(g, g_end, in_last, no_reset, HAS_DOCS)
+        k_to_end = (k * to_end[:, None]).to(DT)
+        state = state * chunk_decay + tl.dot(tl.trans(u), k_to_end, input_precision=PREC)
 
     tl.store(_state_ptrs(final_ptr, bh, v_cols, k_cols, DV, DK)[0], state, mask=state_mask)
 
 
-@_tune(PARALLEL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@_tune(PARALLEL_CONFIGS, key=["DK", "DV", "NORMALIZE", "HAS_DOCS"])
 @triton.jit
 def _output_kernel(
     q_ptr,
@@ -361,12 +470,14 @@ def _output_kernel(
     states_ptr,
     r_ptr,
     T,
+    doc_start_ptr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PREC: tl.constexpr,
     BV: tl.constexpr,
 ):
@@ -384,9 +495,10 @@ def _output_kernel(
     state = tl.load(chunk_state, mask=state_mask, other=0.0)
     u = tl.load(_workspace_ptrs(u_ptr, bh, t, v_cols, padded_len, DV), mask=(v_cols < DV)[None, :], other=0.0)
 
-    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * _decay_matrix(g, rows, False)
+    first, continues, _, _, _ = _chunk_documents(doc_start_ptr, b, n, t, t_mask, T, C, HAS_DOCS)
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * _decay_matrix(g, rows, first, False, HAS_DOCS)
     from_state = tl.dot(q, tl.trans(state), input_precision=PREC)
-    r = tl.exp(g)[:, None] * from_state + tl.dot(scores.to(DT), u, input_precision=PREC)
+    r = _from_start(g, continues, HAS_DOCS)[:, None] * from_state + tl.dot(scores.to(DT), u, input_precision=PREC)
     _store_tokens(r_ptr, r, b, h, t, t_mask, v_cols, T, H, DV)
 
 
@@ -394,7 +506,7 @@ def _output_kernel(
 # Backward kernels
 
 
-@_tune(PARALLEL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@_tune(PARALLEL_CONFIGS, key=["DK", "DV", "NORMALIZE", "HAS_DOCS"])
 @triton.jit
 def _dv_local_kernel(
     q_ptr,
@@ -403,18 +515,21 @@ def _dv_local_kernel(
     dr_ptr,
     du_local_ptr,
     T,
+    doc_start_ptr,
+    reset_rows_ptr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PREC: tl.constexpr,
     BV: tl.constexpr,
 ):
     """dU_local = (Q K^T * D)^T dR: the intra-chunk part of the deltas' gradient."""
     n, bh, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h, _, padded_len, rows = _head_layout(bh, T, H, C)
+    b, h, n_chunks, padded_len, rows = _head_layout(bh, T, H, C)
     t, t_mask = _chunk_tokens(n, rows, T, C)
     k_cols, v_cols = tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     DT = q_ptr.dtype.element_ty
@@ -422,13 +537,16 @@ def _dv_local_kernel(
     q, _, _ = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
-    scores = tl.dot(q.to(DT), tl.trans(k.to(DT)), input_precision=PREC) * _decay_matrix(g, rows, False)
+    first, _, _, _, resets = _chunk_documents(doc_start_ptr, b, n, t, t_mask, T, C, HAS_DOCS)
+    if HAS_DOCS:  # for _state_bwd_kernel
+        _store_reset_rows(reset_rows_ptr, resets, rows, b, n, n_chunks, (h == 0) & (vb == 0), C)
+    scores = tl.dot(q.to(DT), tl.trans(k.to(DT)), input_precision=PREC) * _decay_matrix(g, rows, first, False, HAS_DOCS)
     dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
     du_local = tl.dot(tl.trans(scores.to(DT)), dr, input_precision=PREC)
     tl.store(_workspace_ptrs(du_local_ptr, bh, t, v_cols, padded_len, DV), du_local, mask=(v_cols < DV)[None, :])
 
 
-@_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@_tune(SEQUENTIAL_CONFIGS, key=["DK", "DV", "NORMALIZE", "HAS_DOCS"])
 @triton.jit
 def _state_bwd_kernel(
     q_ptr,
@@ -442,12 +560,14 @@ def _state_bwd_kernel(
     dfinal_ptr,
     dinitial_ptr,
     T,
+    reset_rows_ptr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PREC: tl.constexpr,
     BV: tl.constexpr,
 ):
@@ -473,12 +593,14 @@ def _state_bwd_kernel(
         dr = _load_tokens(dr_ptr, b, h, t, t_mask, v_cols, T, H, DV).to(DT)
         du_local = tl.load(_workspace_ptrs(du_local_ptr, bh, t, v_cols, padded_len, DV), mask=v_in, other=0.0)
 
-        k_to_end = (k * tl.exp(g_end - g)[:, None]).to(DT)
+        continues, in_last, no_reset = _chunk_resets(reset_rows_ptr, b, n, n_chunks, rows, HAS_DOCS)
+        to_end, chunk_decay = _to_end(g, g_end, in_last, no_reset, HAS_DOCS)
+        k_to_end = (k * to_end[:, None]).to(DT)
         du = du_local + tl.dot(k_to_end, tl.trans(dstate.to(DT)), input_precision=PREC)  # (C, BV)
         tl.store(_workspace_ptrs(du_ptr, bh, t, v_cols, padded_len, DV), du, mask=v_in)
-        q_from_start = (q * tl.exp(g)[:, None]).to(DT)
+        q_from_start = (q * _from_start(g, continues, HAS_DOCS)[:, None]).to(DT)
         dstate = (
-            dstate * tl.exp(g_end)
+            dstate * chunk_decay
             + tl.dot(tl.trans(dr), q_from_start, input_precision=PREC)
             - tl.dot(tl.trans(du.to(DT)), w, input_precision=PREC)
         )
@@ -486,7 +608,7 @@ def _state_bwd_kernel(
     tl.store(_state_ptrs(dinitial_ptr, bh, v_cols, k_cols, DV, DK)[0], dstate, mask=state_mask)
 
 
-@_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE", "HAS_DOCS"])
 @triton.jit
 def _grad_transform_kernel(
     k_ptr,
@@ -503,12 +625,14 @@ def _grad_transform_kernel(
     dv_ptr,
     dbeta_ptr,
     T,
+    doc_start_ptr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PREC: tl.constexpr,
     BV: tl.constexpr,
 ):
@@ -527,7 +651,6 @@ def _grad_transform_kernel(
     gates = _gate_offsets(b, h, t, T, H)
     beta = tl.load(beta_ptr + gates, mask=t_mask, other=0.0).to(tl.float32)
     g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
-    decay = tl.exp(g)
     inverse = tl.load(_inverse_ptrs(inverse_ptr, bh, n, n_chunks, rows, C)).to(DT)  # T
 
     dw = tl.zeros([C, BK], dtype=tl.float32)
@@ -551,7 +674,9 @@ def _grad_transform_kernel(
     k, _, _ = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     k_dt = k.to(DT)
     w = tl.load(_workspace_ptrs(w_ptr, bh, t, k_cols, padded_len, DK), mask=(k_cols < DK)[None, :], other=0.0)
-    strict = _decay_matrix(g, rows, True)
+    first, continues, _, _, _ = _chunk_documents(doc_start_ptr, b, n, t, t_mask, T, C, HAS_DOCS)
+    decay = _from_start(g, continues, HAS_DOCS)
+    strict = _decay_matrix(g, rows, first, True, HAS_DOCS)
     dw = dw.to(DT)
     d_outer += tl.dot(dw, tl.trans(w), input_precision=PREC)
     minus_da = tl.dot(tl.trans(inverse), d_outer.to(DT), input_precision=PREC)
@@ -574,7 +699,7 @@ def _grad_transform_kernel(
     tl.store(_decay_ptrs(dg_partial_ptr, bh, t, padded_len), dg)
 
 
-@_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE"])
+@_tune(GRAD_CONFIGS, key=["DK", "DV", "NORMALIZE", "HAS_DOCS"])
 @triton.jit
 def _grad_output_kernel(
     q_ptr,
@@ -590,12 +715,14 @@ def _grad_output_kernel(
     dk_ptr,
     dlog_gamma_ptr,
     T,
+    doc_start_ptr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
     C: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
     PREC: tl.constexpr,
     BV: tl.constexpr,
 ):
@@ -610,7 +737,6 @@ def _grad_output_kernel(
 
     g = tl.load(_decay_ptrs(g_ptr, bh, t, padded_len))
     g_end = _chunk_end_decay(g_ptr, bh, n, padded_len, C)
-    decay = tl.exp(g)
     d_qs = tl.zeros([C, BK], dtype=tl.float32)  # dR S: gradient of Q S^T's Q
     d_k_to_end = tl.zeros([C, BK], dtype=tl.float32)  # U dS_end
     d_scores = tl.zeros([C, C], dtype=tl.float32)  # dR U^T
@@ -633,8 +759,10 @@ def _grad_output_kernel(
     q, q_norm, q_denom = _normalize_rows(_load_tokens(q_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     k, k_norm, k_denom = _normalize_rows(_load_tokens(k_ptr, b, h, t, t_mask, k_cols, T, H, DK), NORMALIZE)
     q_dt, k_dt = q.to(DT), k.to(DT)
-    to_end = tl.exp(g_end - g)
-    causal = _decay_matrix(g, rows, False)
+    first, continues, in_last, no_reset, resets = _chunk_documents(doc_start_ptr, b, n, t, t_mask, T, C, HAS_DOCS)
+    decay = _from_start(g, continues, HAS_DOCS)
+    to_end, chunk_decay = _to_end(g, g_end, in_last, no_reset, HAS_DOCS)
+    causal = _decay_matrix(g, rows, first, False, HAS_DOCS)
     scores = tl.dot(q_dt, tl.trans(k_dt), input_precision=PREC) * causal
     d_scores_decayed = (d_scores * causal).to(DT)
     dq = decay[:, None] * d_qs + tl.dot(d_scores_decayed, k_dt, input_precision=PREC)
@@ -647,10 +775,12 @@ def _grad_output_kernel(
     through_scores = d_scores * scores
     through_to_end = to_end * tl.sum(k * d_k_to_end, axis=1)
     dg += tl.sum(through_scores, axis=1) - tl.sum(through_scores, axis=0) - through_to_end
-    dg_end = tl.exp(g_end) * tl.sum(state_dot_dstate, axis=0) + tl.sum(through_to_end, axis=0)
+    dg_end = chunk_decay * tl.sum(state_dot_dstate, axis=0) + tl.sum(through_to_end, axis=0)
     dg += tl.where(rows == C - 1, dg_end, 0.0)
     # every use of g summed over t; g_t = cumsum(log_gamma) turns that into a reverse cumsum
     dlog_gamma = tl.sum(dg, axis=0) - tl.cumsum(dg, axis=0) + dg
+    if HAS_DOCS:  # the prepare kernel left the resets' log_gamma out of g
+        dlog_gamma = tl.where(resets, 0.0, dlog_gamma)
     tl.store(dlog_gamma_ptr + _gate_offsets(b, h, t, T, H), dlog_gamma.to(dlog_gamma_ptr.dtype.element_ty), mask=t_mask)
     dk = _normalize_rows_backward(k, k_norm, k_denom, dk, NORMALIZE)
     _store_tokens(dk_ptr, dk, b, h, t, t_mask, k_cols, T, H, DK)
@@ -721,23 +851,47 @@ def _common(d: dict) -> dict:
     return {"H": d["heads"], "DK": d["key_dim"], "DV": d["value_dim"], "BK": d["bk"], "C": CHUNK}
 
 
-def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, keep_inverse: bool):
+def _documents(doc_start: torch.Tensor | None, log_gamma: torch.Tensor) -> dict:
+    """The launch arguments every chunked kernel takes for document resets: doc_start as int32 and the
+    HAS_DOCS switch; without documents log_gamma stands in for the pointer, never read."""
+    if doc_start is None:
+        return {"doc_start_ptr": log_gamma, "HAS_DOCS": False}
+    return {"doc_start_ptr": doc_start.to(torch.int32).contiguous(), "HAS_DOCS": True}
+
+
+def _new_reset_rows(docs: dict, batch: int, n_chunks: int) -> torch.Tensor:
+    """reset_rows (B, n_chunks, 2) int32, each chunk's first and last reset rows (C and -1 where it holds none),
+    for one direction (forward or backward): uninitialised, filled by its first chunk-parallel kernel
+    (_store_reset_rows) for its sequential one (_chunk_resets). Without documents doc_start_ptr's stand-in,
+    never read."""
+    if not docs["HAS_DOCS"]:
+        return docs["doc_start_ptr"]
+    return docs["doc_start_ptr"].new_empty(batch, n_chunks, 2)
+
+
+def _sequential(common: dict) -> dict:
+    """The launch arguments of a sequential kernel: those of every kernel but doc_start (it reads reset_rows)."""
+    return {name: value for name, value in common.items() if name != "doc_start_ptr"}
+
+
+def _forward_workspaces(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, keep_inverse: bool, docs: dict):
     """Run _prepare_kernel and _state_fwd_kernel; everything the output (and with keep_inverse the backward) needs."""
     d = _dims(q, v)
     _, prec = _dot_setup(q)
     bh, n_chunks = d["batch"] * d["heads"], d["n_chunks"]
     ws = new_workspaces(q, v, [name for name in WORKSPACES if keep_inverse or name != "inverse"])
     final_state = q.new_empty(d["batch"], d["heads"], d["value_dim"], d["key_dim"], dtype=torch.float32)
-    common = _common(d)
+    common = {**_common(d), **docs}
+    reset_rows = _new_reset_rows(docs, d["batch"], n_chunks)
     _prepare_kernel[(n_chunks, bh)](
         k, v, log_gamma, beta, ws["g"], ws["inverse"] if keep_inverse else ws["w"], ws["w"], ws["u_tilde"],
-        d["seq_len"], BVF=d["bv_full"], NORMALIZE=normalize_qk, PREC=prec, INV_PREC=_inverse_precision(prec),
-        STORE_INVERSE=keep_inverse, num_warps=PREPARE_WARPS, **common,
+        d["seq_len"], reset_rows_ptr=reset_rows, BVF=d["bv_full"], NORMALIZE=normalize_qk, PREC=prec,
+        INV_PREC=_inverse_precision(prec), STORE_INVERSE=keep_inverse, num_warps=PREPARE_WARPS, **common,
     )  # fmt: skip
     _state_fwd_kernel[lambda meta: (triton.cdiv(d["value_dim"], meta["BV"]), bh)](
         k, ws["g"], ws["w"], ws["u_tilde"], ws["u"], ws["states"],
-        initial_state if initial_state is not None else final_state, final_state, d["seq_len"],
-        NORMALIZE=normalize_qk, HAS_INITIAL=initial_state is not None, PREC=prec, **common,
+        initial_state if initial_state is not None else final_state, final_state, d["seq_len"], reset_rows,
+        NORMALIZE=normalize_qk, HAS_INITIAL=initial_state is not None, PREC=prec, **_sequential(common),
     )  # fmt: skip
     return d, ws, final_state, common, prec
 
@@ -746,16 +900,19 @@ def _contiguous(*tensors):
     return [None if x is None else x.contiguous() for x in tensors]
 
 
-def chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, keep_workspaces: bool = False):
+def chunk_forward(
+    q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, keep_workspaces: bool = False, doc_start=None
+):
     """(r (B, T, H, Dv) in v's dtype, final_state (B, H, Dv, Dk) fp32, workspaces): with keep_workspaces the
-    tensors of WORKSPACES, in that order, for chunk_backward; else an empty tuple."""
+    tensors of WORKSPACES, in that order, for chunk_backward; else an empty tuple. doc_start (B, T) int, or
+    None: the state is zeroed before each document start (kernels/documents.py)."""
     q, k, v, log_gamma, beta, initial_state = _contiguous(q, k, v, log_gamma, beta, initial_state)
     batch, seq_len, heads, key_dim = q.shape
     if seq_len == 0:
         r, final_state = _empty_sequence(q, v, initial_state)
         return r, final_state, tuple(new_workspaces(q, v, WORKSPACES).values()) if keep_workspaces else ()
     d, ws, final_state, common, prec = _forward_workspaces(
-        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_inverse=keep_workspaces
+        q, k, v, log_gamma, beta, initial_state, normalize_qk, keep_workspaces, _documents(doc_start, log_gamma)
     )
     r = torch.empty_like(v)
     _output_kernel[lambda meta: (d["n_chunks"], batch * heads, triton.cdiv(d["value_dim"], meta["BV"]))](
@@ -764,9 +921,9 @@ def chunk_forward(q, k, v, log_gamma, beta, initial_state, normalize_qk: bool, k
     return r, final_state, tuple(ws[name] for name in WORKSPACES) if keep_workspaces else ()
 
 
-def chunk_backward(q, k, v, log_gamma, beta, workspaces, dr, dfinal, normalize_qk: bool):
+def chunk_backward(q, k, v, log_gamma, beta, workspaces, dr, dfinal, normalize_qk: bool, doc_start=None):
     """Gradients (dq, dk, dv, dlog_gamma, dbeta, dinitial_state fp32) of chunk_forward, given the workspaces
-    its training forward kept (keep_workspaces=True)."""
+    its training forward kept (keep_workspaces=True) and the same doc_start."""
     q, k, v, log_gamma, beta, dr, dfinal = _contiguous(q, k, v, log_gamma, beta, dr, dfinal)
     batch, seq_len, heads, key_dim = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -775,7 +932,7 @@ def chunk_backward(q, k, v, log_gamma, beta, workspaces, dr, dfinal, normalize_q
         return dq, dk, dv, dlog_gamma, dbeta, dfinal.float().clone()
     d = _dims(q, v)
     _, prec = _dot_setup(q)
-    common = _common(d)
+    common = {**_common(d), **_documents(doc_start, log_gamma)}
     ws = dict(zip(WORKSPACES, workspaces, strict=True))
     bh, n_chunks = batch * heads, d["n_chunks"]
     du_local = torch.empty(ws["u"].shape, device=q.device, dtype=torch.float32)
@@ -783,12 +940,13 @@ def chunk_backward(q, k, v, log_gamma, beta, workspaces, dr, dfinal, normalize_q
     dstates = torch.empty_like(ws["states"])
     dinitial = torch.empty_like(dfinal, dtype=torch.float32)
 
+    reset_rows = _new_reset_rows(common, batch, n_chunks)
     _dv_local_kernel[lambda meta: (n_chunks, bh, triton.cdiv(d["value_dim"], meta["BV"]))](
-        q, k, ws["g"], dr, du_local, seq_len, NORMALIZE=normalize_qk, PREC=prec, **common
+        q, k, ws["g"], dr, du_local, seq_len, reset_rows_ptr=reset_rows, NORMALIZE=normalize_qk, PREC=prec, **common
     )
     _state_bwd_kernel[lambda meta: (triton.cdiv(d["value_dim"], meta["BV"]), bh)](
-        q, k, ws["g"], ws["w"], dr, du_local, du, dstates, dfinal, dinitial, seq_len,
-        NORMALIZE=normalize_qk, PREC=prec, **common,
+        q, k, ws["g"], ws["w"], dr, du_local, du, dstates, dfinal, dinitial, seq_len, reset_rows,
+        NORMALIZE=normalize_qk, PREC=prec, **_sequential(common),
     )  # fmt: skip
     dk_partial = torch.empty(ws["w"].shape, device=q.device, dtype=torch.float32)
     dg_partial = torch.empty_like(ws["g"])

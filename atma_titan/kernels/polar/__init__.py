@@ -9,6 +9,9 @@
   `polar_decode_triton` (the kernel alone) and the dispatching `polar_decode`; triton_decode.py holds
   the split-KV Triton kernels, reference.py `polar_decode_reference`.
 
+Packed documents: `doc_start=` (kernels/documents.py) on the attention entry points keeps each query inside
+its own document (reference.py says how); decode has one document per sequence.
+
 Triton is imported on the first kernel call, so this package imports on machines without triton.
 """
 

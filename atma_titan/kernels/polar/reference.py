@@ -10,7 +10,14 @@ For query i with n_i visible keys (causal; with a window W only the last W) and 
     mag_i  = tanh(softplus(mag_beta) * ln(1 + m_eff))
 
 Layout (B, T, H, D); k, v have Hkv heads and query head h reads KV head h // (H // Hkv). The Tq
-queries are the last Tq of the Tk key positions (query i sits at position Tk - Tq + i).
+queries are the last Tq of the Tk key positions (query i sits at position p_i = Tk - Tq + i).
+
+Documents (`doc_start`, int32 (B, Tk) indexed by key position; the convention is kernels/documents.py):
+query i sees key j only when doc_start[b, p_i] <= j <= p_i (and j > p_i - W with a window), and every
+per-query term takes that query's own count n_i = p_i - doc_start[b, p_i] + 1 (at most W): each document
+reads as if it ran alone. The streaming form skips the key tiles before a query tile's first document (on CPU,
+eager: it reads doc_start on the host), else it masks them.
+`doc_start=None` is one document per sequence, by the code paths of before.
 
 `polar_attention_naive` materialises the Tq x Tk weights: ground truth for tests, autograd backward.
 
@@ -45,6 +52,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from atma_titan.kernels.documents import check_doc_start
 from atma_titan.kernels.paged import gather_pages, key_mask
 
 NORM_EPS = 1e-6
@@ -84,17 +92,35 @@ def query_positions(tq: int, tk: int, device: torch.device | None = None) -> tor
     return torch.arange(tk - tq, tk, device=device)
 
 
-def visible_key_counts(tq: int, tk: int, window: int = 0, device: torch.device | None = None) -> torch.Tensor:
-    """n_i for each query: pos_i + 1 keys, at most `window` of them when window > 0."""
+def query_doc_starts(tq: int, doc_start: torch.Tensor) -> torch.Tensor:
+    """(B, Tq): where each query's document begins (doc_start at the query's key position), as int64."""
+    return doc_start[:, doc_start.shape[-1] - tq :].long()
+
+
+def visible_key_counts(
+    tq: int, tk: int, window: int = 0, device: torch.device | None = None, doc_start: torch.Tensor | None = None
+) -> torch.Tensor:
+    """n_i for each query: pos_i + 1 keys, at most `window` of them when window > 0; shape (Tq,).
+
+    With doc_start (B, Tk): the keys of the query's own document only, pos_i - doc_start[b, pos_i] + 1
+    (at most `window`); shape (B, Tq)."""
     n = query_positions(tq, tk, device) + 1
+    if doc_start is not None:
+        n = n - query_doc_starts(tq, doc_start)
     return n.clamp_max(window) if window > 0 else n
 
 
-def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """(len(q_pos), len(k_pos)) bool: key j is visible to query i (causal, optional window)."""
+def visibility_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, first: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(len(q_pos), len(k_pos)) bool: key j is visible to query i (causal, optional window).
+
+    With `first` (..., len(q_pos)), each query's document start, also k_pos >= first: shape (..., Tq, Tk)."""
     visible = k_pos[None, :] <= q_pos[:, None]
     if window > 0:
         visible &= k_pos[None, :] > q_pos[:, None] - window
+    if first is not None:
+        visible = visible & (k_pos >= first[..., None])
     return visible
 
 
@@ -119,7 +145,7 @@ def _check_head_params(h, d, len_gain, null_base, null_slope, mag_beta, v_null, 
         raise ValueError("window must be >= 0 (0 means no window)")
 
 
-def _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window) -> None:
+def _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, doc_start=None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, T, H, D)")
     b, tq, h, d = q.shape
@@ -133,6 +159,7 @@ def _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
     if tq > tk:
         raise ValueError(f"Tq={tq} queries cannot exceed Tk={tk} keys")
     _check_head_params(h, d, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    check_doc_start(doc_start, b, tk)  # indexed by key position: (B, Tk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,12 +167,13 @@ def _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
 # ----------------------------------------------------------------------------------------------
 
 
-def polar_attention_naive(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0):
+def polar_attention_naive(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, doc_start=None):
     """Polar attention with the full (B, H, Tq, Tk) weight matrix; autograd gives the backward.
 
+    doc_start: None or int32 (B, Tk), queries see their own document only (module docstring).
     Returns c (B, Tq, H, D) and mag (B, Tq, H), both in q's dtype.
     """
-    _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, doc_start)
     cd = compute_dtype(q.dtype)
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -156,11 +184,14 @@ def polar_attention_naive(q, k, v, len_gain, null_base, null_slope, mag_beta, v_
     vh = v.to(cd).repeat_interleave(group, dim=2).transpose(1, 2)
     scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
 
-    n = visible_key_counts(tq, tk, window, q.device).to(cd)
+    n = visible_key_counts(tq, tk, window, q.device, doc_start).to(cd)
+    first = None
+    if doc_start is not None:  # per (batch, query): n (B, 1, Tq) gives (B, H, Tq) scalars, a (B, 1, Tq, Tk) mask
+        n, first = n[:, None, :], query_doc_starts(tq, doc_start)[:, None, :]
     temp, null = polar_scalars(
         n, len_gain.to(cd)[:, None], null_base.to(cd)[:, None], null_slope.to(cd)[:, None]
-    )  # (H, Tq)
-    visible = visibility_mask(query_positions(tq, tk, q.device), torch.arange(tk, device=q.device), window)
+    )  # (H, Tq), or (B, H, Tq) with documents
+    visible = visibility_mask(query_positions(tq, tk, q.device), torch.arange(tk, device=q.device), window, first)
     # temp multiplies finite scores; the mask comes after (-inf * temp has NaN gradients).
     key_logits = (temp[..., None] * scores).masked_fill(~visible, float("-inf"))
     null_logit = (temp * null).expand(b, h, tq)[..., None]
@@ -308,10 +339,13 @@ def _query_blocks(tq: int, block_q: int):
         yield lo, min(lo + block_q, tq)
 
 
-def _key_blocks(first_pos: int, last_pos: int, window: int, block_k: int):
+def _key_blocks(first_pos: int, last_pos: int, window: int, block_k: int, doc_first: int = 0):
     """Key tiles (aligned to multiples of block_k) holding a key visible to query positions
-    first_pos..last_pos; the tiles wholly in the causal future or before the window are skipped."""
+    first_pos..last_pos; the tiles wholly in the causal future or before the window are skipped, and
+    so are those before `doc_first`, where the first query's document begins (doc_start does not
+    decrease, so no later query sees a key before it)."""
     first_key = max(0, first_pos - window + 1) if window > 0 else 0
+    first_key = max(first_key, doc_first)
     for lo in range((first_key // block_k) * block_k, last_pos + 1, block_k):
         yield lo, min(lo + block_k, last_pos + 1)
 
@@ -319,7 +353,7 @@ def _key_blocks(first_pos: int, last_pos: int, window: int, block_k: int):
 class _Layout:
     """Shapes and per-query constants shared by forward and backward."""
 
-    def __init__(self, q, k, window, cd):
+    def __init__(self, q, k, window, cd, doc_start=None):
         self.b, self.tq, self.h, self.d = q.shape
         self.tk, self.hkv = k.shape[1], k.shape[2]
         self.g = self.h // self.hkv
@@ -328,7 +362,21 @@ class _Layout:
         self.scale = 1.0 / math.sqrt(self.d)
         self.offset = self.tk - self.tq  # query i sits at key position offset + i
         self.q_pos = query_positions(self.tq, self.tk, q.device)
-        self.n = visible_key_counts(self.tq, self.tk, window, q.device).to(cd)
+        self.n = visible_key_counts(self.tq, self.tk, window, q.device, doc_start).to(cd)
+        self.first = None  # each query's document start, (B, 1, 1, Tq), with documents
+        self.block_first = None  # the earliest of them over the batch, per query (host ints): skips tiles
+        if doc_start is not None:
+            first = query_doc_starts(self.tq, doc_start)
+            self.first = first[:, None, None, :]
+            self.n = self.n[:, None, None, :]  # per (batch, query): (B, Hkv, G, Tq) scalars
+            # reading the starts is a device sync, and a graph break when compiled: there the mask alone works
+            if doc_start.device.type == "cpu" and not torch.compiler.is_compiling():
+                self.block_first = first.amin(dim=0).tolist()
+
+    def key_blocks(self, q_lo: int, q_hi: int, block_k: int):
+        """The key tiles the queries q_lo..q_hi - 1 see (`_key_blocks`)."""
+        doc_first = 0 if self.block_first is None else self.block_first[q_lo]
+        return _key_blocks(self.offset + q_lo, self.offset + q_hi - 1, self.window, block_k, doc_first)
 
     def q_tile(self, qh: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """(B, Hkv, G, Tq, D) slice -> (B, Hkv, G * bq, D) in compute dtype."""
@@ -350,7 +398,8 @@ def _score_tile(layout: _Layout, q_tile, k_tile, temp_tile, q_lo, q_hi, k_lo, k_
     """Scores s and masked logits a = temp * s for one tile, both (B, Hkv, G, bq, bk)."""
     s = layout.rows(q_tile @ k_tile.transpose(-1, -2), q_hi - q_lo) * layout.scale
     k_pos = torch.arange(k_lo, k_hi, device=s.device)
-    visible = visibility_mask(layout.q_pos[q_lo:q_hi], k_pos, layout.window)
+    first = None if layout.first is None else layout.first[..., q_lo:q_hi]
+    visible = visibility_mask(layout.q_pos[q_lo:q_hi], k_pos, layout.window, first)
     a = (temp_tile[..., None] * s).masked_fill(~visible, float("-inf"))
     return s, a
 
@@ -384,7 +433,7 @@ def _forward_key_sweep(layout: _Layout, q_tile, kh, vh, temp_tile, q_lo, q_hi, b
     l = q_tile.new_zeros(shape)
     q2 = q_tile.new_zeros(shape)
     acc = q_tile.new_zeros(*shape, layout.d)
-    for k_lo, k_hi in _key_blocks(layout.offset + q_lo, layout.offset + q_hi - 1, layout.window, block_k):
+    for k_lo, k_hi in layout.key_blocks(q_lo, q_hi, block_k):
         k_tile, v_tile = layout.kv_tile(kh, k_lo, k_hi), layout.kv_tile(vh, k_lo, k_hi)
         _, a = _score_tile(layout, q_tile, k_tile, temp_tile, q_lo, q_hi, k_lo, k_hi)
         m_new = torch.maximum(m, a.amax(dim=-1))
@@ -469,7 +518,7 @@ def _backward_key_sweep(layout: _Layout, q_tile, kh, vh, temp_tile, lse_tile, pr
     da_dot_s = dp_const.new_zeros(dp_const.shape)
     p_dot_g = torch.zeros_like(da_dot_s)
     p_dot_s = torch.zeros_like(da_dot_s)
-    for k_lo, k_hi in _key_blocks(layout.offset + q_lo, layout.offset + q_hi - 1, layout.window, block_k):
+    for k_lo, k_hi in layout.key_blocks(q_lo, q_hi, block_k):
         k_tile, v_tile = layout.kv_tile(kh, k_lo, k_hi), layout.kv_tile(vh, k_lo, k_hi)
         s, a = _score_tile(layout, q_tile, k_tile, temp_tile, q_lo, q_hi, k_lo, k_hi)
         p = torch.exp(a - lse_tile[..., None])  # weights among real keys (l = 1); masked -> 0
@@ -570,41 +619,41 @@ class PolarAttentionFunction(torch.autograd.Function):
     """Streaming Polar attention; saves inputs, c and per-query (m, l, q2, ||s_vec||) only."""
 
     @staticmethod
-    def forward(ctx, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, block_q, block_k):
-        layout = _Layout(q, k, window, compute_dtype(q.dtype))
+    def forward(ctx, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, block_q, block_k, doc_start):
+        layout = _Layout(q, k, window, compute_dtype(q.dtype), doc_start)
         c, mag, stats = _polar_forward(
             layout, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, block_q, block_k
         )
         c_out = _merge_query_heads(c).to(q.dtype)
         mag_out = _merge_query_heads(mag).to(q.dtype)
         # c is kept in the output dtype, as a kernel would; mag is recomputed from (l, q2) in backward
-        ctx.save_for_backward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c_out, *stats)
+        ctx.save_for_backward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c_out, *stats, doc_start)
         ctx.window, ctx.block_q, ctx.block_k = window, block_q, block_k
         return c_out, mag_out
 
     @staticmethod
     def backward(ctx, g_c, g_mag):
-        saved = ctx.saved_tensors
+        *saved, doc_start = ctx.saved_tensors
         q, k = saved[0], saved[1]
-        layout = _Layout(q, k, ctx.window, compute_dtype(q.dtype))
+        layout = _Layout(q, k, ctx.window, compute_dtype(q.dtype), doc_start)
         grads = _polar_backward(layout, saved, g_c, g_mag, ctx.block_q, ctx.block_k)
         inputs = saved[:8]
         grads = tuple(g.to(x.dtype) if need else None for g, x, need in zip(grads, inputs, ctx.needs_input_grad[:8]))
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def polar_attention_reference(
-    q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, block_q=128, block_k=128
+    q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, *, window=0, block_q=128, block_k=128, doc_start=None
 ):
     """Streaming Polar attention in O(T * block) memory; see the module docstring.
 
     q (B, Tq, H, D); k, v (B, Tk, Hkv, D) with Tq <= Tk (queries are the last Tq positions);
-    len_gain, null_base, null_slope, mag_beta (H,); v_null (H, D). Returns c (B, Tq, H, D) and
-    mag (B, Tq, H) in q's dtype.
+    len_gain, null_base, null_slope, mag_beta (H,); v_null (H, D); doc_start None or int32 (B, Tk)
+    (kernels/documents.py). Returns c (B, Tq, H, D) and mag (B, Tq, H) in q's dtype.
     """
-    _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window)
+    _check_inputs(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, doc_start)
     if block_q <= 0 or block_k <= 0:
         raise ValueError("block sizes must be positive")
     return PolarAttentionFunction.apply(
-        q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, block_q, block_k
+        q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window, block_q, block_k, doc_start
     )

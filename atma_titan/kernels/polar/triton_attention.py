@@ -13,6 +13,11 @@ Conventions shared by every kernel here:
 - Key (or query) tiles are visited in three segments: tiles cut by the window's lower edge (masked),
   tiles every query of the block sees (no mask), and the causal diagonal / ragged tail (masked).
   Tiles with no visible entry are never visited.
+- Documents (DOCUMENTS, a constexpr: without it the kernels compile as before): doc_start (B, Tk) int32
+  (kernels/documents.py). A query block's key loop starts at the tile of its first row's doc_start and
+  its unmasked segment at its last row's; a key tile's query loop ends at its last key's document end
+  (document_ends, computed once per backward) and its unmasked segment before its first key's. Masked
+  tiles add k >= doc_start[q]; n (temp, null floor, the count) is each row's own document count.
 - Per-head scalars arrive already transformed (softplus etc. done in PyTorch), as fp32 (H,) tensors.
 
 Everything is reduced in fp32; only tl.dot operands are in the input dtype.
@@ -28,6 +33,8 @@ import triton.language as tl
 
 from atma_titan.kernels import resources
 from atma_titan.kernels.backends import AUTOTUNE, INTERPRET
+from atma_titan.kernels.documents import document_ends
+from atma_titan.kernels.polar.reference import visible_key_counts
 from atma_titan.kernels.polar.triton_math import log1p, sigmoid, tanh_nonneg
 
 # constexpr globals: the only kind a @triton.jit function may read
@@ -98,7 +105,7 @@ DQ_CONFIGS = _configs(
     ],
     (16, 16, 1, 1, True),
 )
-TUNING_KEY = ["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP"]
+TUNING_KEY = ["TQ_BUCKET", "TK_BUCKET", "HEAD_DIM", "GROUP", "DOCUMENTS"]
 PREAMBLE_BLOCK_M = 16
 PREAMBLE_WARPS = 4
 
@@ -110,10 +117,17 @@ PREAMBLE_WARPS = 4
 
 @triton.jit
 def _visible_counts(q_pos, window):
-    """n_i = pos_i + 1 keys, at most `window` of them when window > 0 (fp32)."""
+    """n_i = pos_i + 1 keys, at most `window` of them when window > 0 (fp32). With documents pos_i is the
+    position in the query's document (pos_i - doc_start)."""
     n = q_pos + 1
     n = tl.where(window > 0, tl.minimum(n, window), n)
     return n.to(tl.float32)
+
+
+@triton.jit
+def _row_doc_starts(doc_base, q_pos, Tk):
+    """doc_start of the query rows at key positions q_pos; padded rows (past Tk) read the last position."""
+    return tl.load(doc_base + tl.minimum(q_pos, Tk - 1))
 
 
 @triton.jit
@@ -121,6 +135,15 @@ def _visibility(q_pos, k_pos, window):
     """(M, N) bool from (M, 1) query and (1, N) key positions: causal, optionally windowed."""
     vis = k_pos <= q_pos
     return vis & ((window == 0) | (k_pos > q_pos - window))
+
+
+@triton.jit
+def _document_visibility(q_pos, k_pos, window, row_first, DOCUMENTS: tl.constexpr):
+    """_visibility, and with documents only keys at or after the row's document start (row_first, as q_pos)."""
+    vis = _visibility(q_pos, k_pos, window)
+    if DOCUMENTS:
+        vis = vis & (k_pos >= row_first)
+    return vis
 
 
 @triton.jit
@@ -147,8 +170,9 @@ def _store_tile(tile, x):
 
 
 @triton.jit
-def _key_segments(first_pos, last_pos, window, BLOCK_N: tl.constexpr):
-    """Key-tile bounds for query positions first_pos..last_pos (all valid, last_pos < Tk).
+def _key_segments(first_pos, last_pos, window, doc_first, doc_last, BLOCK_N: tl.constexpr, DOCUMENTS: tl.constexpr):
+    """Key-tile bounds for query positions first_pos..last_pos (all valid, last_pos < Tk); with documents
+    doc_first, doc_last are doc_start at first_pos and at last_pos (unread without).
 
     Returns (lo, full_lo, full_hi, hi): masked tiles [lo, min(full_lo, hi)), unmasked tiles
     [full_lo, full_hi), masked tiles [max(full_lo, full_hi), hi). lo, full_lo, full_hi are tile-aligned.
@@ -160,12 +184,20 @@ def _key_segments(first_pos, last_pos, window, BLOCK_N: tl.constexpr):
     edge = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
     full_lo = tl.where(has_window, tl.maximum(edge, lo), lo)
     full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # tiles wholly at or before the first row
+    if DOCUMENTS:
+        # doc_start does not decrease: no row sees a key before the first row's document start (skipped),
+        # and every row sees the keys from the last row's document start on (unmasked)
+        lo = tl.maximum(lo, (doc_first // BLOCK_N) * BLOCK_N)
+        full_lo = tl.maximum(full_lo, tl.cdiv(doc_last, BLOCK_N) * BLOCK_N)
     return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _query_segments(first_key, last_key, offset, Tq, window, BLOCK_M: tl.constexpr):
-    """Query-tile bounds (row indices) for the key range first_key..last_key, as in _key_segments."""
+def _query_segments(
+    first_key, last_key, offset, Tq, window, end_first, end_last, BLOCK_M: tl.constexpr, DOCUMENTS: tl.constexpr
+):
+    """Query-tile bounds (row indices) for the key range first_key..last_key, as in _key_segments; with
+    documents end_first, end_last are the exclusive document ends of first_key and last_key (unread without)."""
     lo = (tl.maximum(first_key - offset, 0) // BLOCK_M) * BLOCK_M
     hi = tl.where(window > 0, tl.minimum(Tq, last_key + window - offset), Tq)
     # rows at or after the last key see the whole tile causally
@@ -174,6 +206,11 @@ def _query_segments(first_key, last_key, offset, Tq, window, BLOCK_M: tl.constex
     # with a window the block's last row must still see the first key: row + offset < first_key + window
     window_hi = (tl.maximum(first_key + window - offset, 0) // BLOCK_M) * BLOCK_M
     full_hi = tl.where(window > 0, tl.minimum(full_hi, window_hi), full_hi)
+    if DOCUMENTS:
+        # no row past the last key's document sees the tile (skipped); rows before the first key's
+        # document end see all of it (unmasked)
+        hi = tl.minimum(hi, end_last - offset)
+        full_hi = tl.minimum(full_hi, (tl.maximum(end_first - offset, 0) // BLOCK_M) * BLOCK_M)
     return lo, full_lo, full_hi, hi
 
 
@@ -215,16 +252,41 @@ def _key_sweep(
     start_m,
     Tk,
     window,
+    doc_base,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
-    """K and V of KV head kvh in batch b, and the key-tile segments (_key_segments) of query tile start_m."""
+    """K and V of KV head kvh in batch b, and the key-tile segments (_key_segments) of query tile start_m;
+    doc_base: batch b's doc_start row (read with DOCUMENTS only)."""
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     first_pos = offset + start_m
     last_pos = tl.minimum(first_pos + BLOCK_M - 1, Tk - 1)
-    lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, BLOCK_N)
+    if DOCUMENTS:
+        doc_first = tl.load(doc_base + first_pos)
+        doc_last = tl.load(doc_base + last_pos)
+    else:
+        doc_first = 0
+        doc_last = 0
+    lo, full_lo, full_hi, hi = _key_segments(first_pos, last_pos, window, doc_first, doc_last, BLOCK_N, DOCUMENTS)
     return k_base, v_base, lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_sweep(
+    end_base, start_n, Tq, Tk, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOCUMENTS: tl.constexpr
+):
+    """The query-tile segments (_query_segments) of key tile start_n; end_base: the batch's document ends
+    (kernels/documents.document_ends; read with DOCUMENTS only)."""
+    last_key = tl.minimum(start_n + BLOCK_N, Tk) - 1
+    if DOCUMENTS:
+        end_first = tl.load(end_base + start_n)
+        end_last = tl.load(end_base + last_key)
+    else:
+        end_first = Tk
+        end_last = Tk
+    return _query_segments(start_n, last_key, Tk - Tq, Tq, window, end_first, end_last, BLOCK_M, DOCUMENTS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,6 +303,7 @@ def _fwd_key_tiles(
     q,
     row_scale,
     q_pos,
+    row_first,
     k_base,
     v_base,
     stride_kt,
@@ -254,6 +317,7 @@ def _fwd_key_tiles(
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Online softmax over key tiles [lo, hi): running max m, l = sum p, q2 = sum p^2, acc = sum p v."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -262,7 +326,8 @@ def _fwd_key_tiles(
         v = _load_tile(_tile(v_base, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), MASKED)
         a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
         if MASKED:
-            vis = _visibility(q_pos[:, None], k_pos[None, :], window) & (k_pos < Tk)[None, :]
+            vis = _document_visibility(q_pos[:, None], k_pos[None, :], window, row_first[:, None], DOCUMENTS)
+            vis = vis & (k_pos < Tk)[None, :]
             a = tl.where(vis, a, float("-inf"))
         m_new = tl.maximum(m, tl.max(a, 1))
         rescale = tl.math.exp2(m - m_new)
@@ -290,6 +355,7 @@ def polar_fwd_kernel(
     SP_GAMMA,
     SP_BETA,
     V_NULL,
+    DOC_START,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -315,6 +381,7 @@ def polar_fwd_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
@@ -329,37 +396,44 @@ def polar_fwd_kernel(
 
     q = _load_tile(_tile(Q + b * stride_qb + h * stride_qh, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM), True)
     sp_alpha = tl.load(SP_ALPHA + h)
-    n = _visible_counts(q_pos, window)
+    doc_base = DOC_START + b * Tk
+    if DOCUMENTS:
+        row_first = _row_doc_starts(doc_base, q_pos, Tk)
+        n = _visible_counts(q_pos - row_first, window)
+    else:
+        row_first = q_pos  # unread
+        n = _visible_counts(q_pos, window)
     temp = 1.0 + sp_alpha * tl.log(n)
     row_scale = temp * (sm_scale * LOG2E)
 
     k_base, v_base, lo, full_lo, full_hi, hi = _key_sweep(
-        K, V, b, kvh, stride_kb, stride_kh, stride_vb, stride_vh, offset, start_m, Tk, window, BLOCK_M, BLOCK_N
-    )
+        K, V, b, kvh, stride_kb, stride_kh, stride_vb, stride_vh, offset, start_m, Tk, window, doc_base,
+        BLOCK_M, BLOCK_N, DOCUMENTS,
+    )  # fmt: skip
 
     # a finite start for m: rows whose first tiles are all masked keep rescale = 1, p = 0
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     q2 = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    args = (k_base, v_base, stride_kt, stride_vt)
+    args = (q_pos, row_first, k_base, v_base, stride_kt, stride_vt)
     if SPLIT_MASK:
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, q_pos, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM,
-            True, BLOCK_N, DOT_PRECISION,
+            acc, l, q2, m, q, row_scale, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM,
+            True, BLOCK_N, DOT_PRECISION, DOCUMENTS,
         )  # fmt: skip
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, q_pos, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM,
-            False, BLOCK_N, DOT_PRECISION,
+            acc, l, q2, m, q, row_scale, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM,
+            False, BLOCK_N, DOT_PRECISION, DOCUMENTS,
         )  # fmt: skip
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, q_pos, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n,
-            HEAD_DIM, True, BLOCK_N, DOT_PRECISION,
+            acc, l, q2, m, q, row_scale, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n,
+            HEAD_DIM, True, BLOCK_N, DOT_PRECISION, DOCUMENTS,
         )  # fmt: skip
     else:
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, q_pos, *args, lo, hi, Tk, window, offs_n, HEAD_DIM,
-            True, BLOCK_N, DOT_PRECISION,
+            acc, l, q2, m, q, row_scale, *args, lo, hi, Tk, window, offs_n, HEAD_DIM,
+            True, BLOCK_N, DOT_PRECISION, DOCUMENTS,
         )  # fmt: skip
 
     # fold in the null entry through keep = l / Z = sigmoid(lse - a_N); e^(a_N - m) is never formed
@@ -403,6 +477,7 @@ def polar_bwd_preamble_kernel(
     SP_GAMMA,
     SP_BETA,
     V_NULL,
+    DOC_START,
     GACC,
     LSE2,
     DS_SCALE,
@@ -431,6 +506,7 @@ def polar_bwd_preamble_kernel(
     window,
     sm_scale,
     HEAD_DIM: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -453,7 +529,11 @@ def polar_bwd_preamble_kernel(
     n_eff = tl.load(NEFF + stats, mask=row_ok, other=1.0)
     s_norm = tl.load(SNORM + stats, mask=row_ok, other=1.0)
 
-    n = _visible_counts(Tk - Tq + offs_m, window)
+    q_pos = Tk - Tq + offs_m
+    if DOCUMENTS:
+        n = _visible_counts(q_pos - _row_doc_starts(DOC_START + b * Tk, q_pos, Tk), window)
+    else:
+        n = _visible_counts(q_pos, window)
     temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(n)
     null_logit = temp * (tl.load(NULL_BASE + h) + tl.load(SP_GAMMA + h) * tl.sqrt(tl.log(1.0 + n)))
     keep = sigmoid(lse - null_logit)
@@ -513,6 +593,7 @@ def _dq_key_tiles(
     dp_const,
     g_q2,
     q_pos,
+    row_first,
     k_base,
     v_base,
     stride_kt,
@@ -526,6 +607,7 @@ def _dq_key_tiles(
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
@@ -534,7 +616,8 @@ def _dq_key_tiles(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         a = qk * row_scale[:, None] - lse2[:, None]
         if MASKED:
-            vis = _visibility(q_pos[:, None], k_pos[None, :], window) & (k_pos < Tk)[None, :]
+            vis = _document_visibility(q_pos[:, None], k_pos[None, :], window, row_first[:, None], DOCUMENTS)
+            vis = vis & (k_pos < Tk)[None, :]
             a = tl.where(vis, a, float("-inf"))
         p = tl.math.exp2(a)  # weights among the real keys, normalised to l = 1
         p_dp = p * tl.dot(g_acc, tl.trans(v), input_precision=DOT_PRECISION)
@@ -560,6 +643,7 @@ def polar_bwd_dq_kernel(
     KEEP,
     DA_NULL_IN,
     SP_ALPHA,
+    DOC_START,
     DQ,
     DA_S,
     DA_NULL,
@@ -582,6 +666,7 @@ def polar_bwd_dq_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
@@ -600,35 +685,45 @@ def polar_bwd_dq_kernel(
     lse2 = tl.load(LSE2 + stats, mask=row_ok, other=0.0)
     dp_const = tl.load(DPC + stats, mask=row_ok, other=0.0)
     g_q2 = tl.load(GQ2 + stats, mask=row_ok, other=0.0)
-    temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(_visible_counts(q_pos, window))
+    doc_base = DOC_START + b * Tk
+    if DOCUMENTS:
+        row_first = _row_doc_starts(doc_base, q_pos, Tk)
+        n = _visible_counts(q_pos - row_first, window)
+    else:
+        row_first = q_pos  # unread
+        n = _visible_counts(q_pos, window)
+    temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(n)
     row_scale = temp * (sm_scale * LOG2E)
 
     k_base, v_base, lo, full_lo, full_hi, hi = _key_sweep(
-        K, V, b, kvh, stride_kb, stride_kh, stride_vb, stride_vh, offset, start_m, Tk, window, BLOCK_M, BLOCK_N
-    )
+        K, V, b, kvh, stride_kb, stride_kh, stride_vb, stride_vh, offset, start_m, Tk, window, doc_base,
+        BLOCK_M, BLOCK_N, DOCUMENTS,
+    )  # fmt: skip
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # row sums: da_s = sum_j da_j q.k_j, p_g = sum_j p_j g_acc.v_j, p_s = sum_j p_j q.k_j
     da_s = tl.zeros([BLOCK_M], tl.float32)
     p_g = tl.zeros([BLOCK_M], tl.float32)
     p_s = tl.zeros([BLOCK_M], tl.float32)
-    args = (q, g_acc, row_scale, lse2, dp_const, g_q2, q_pos, k_base, v_base, stride_kt, stride_vt)
+    args = (q, g_acc, row_scale, lse2, dp_const, g_q2, q_pos, row_first, k_base, v_base, stride_kt, stride_vt)
     if SPLIT_MASK:
         dq, da_s, p_g, p_s = _dq_key_tiles(
             dq, da_s, p_g, p_s, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
-            DOT_PRECISION,
+            DOT_PRECISION, DOCUMENTS,
         )  # fmt: skip
         dq, da_s, p_g, p_s = _dq_key_tiles(
-            dq, da_s, p_g, p_s, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM, False, BLOCK_N, DOT_PRECISION
-        )
+            dq, da_s, p_g, p_s, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM, False, BLOCK_N,
+            DOT_PRECISION, DOCUMENTS,
+        )  # fmt: skip
         dq, da_s, p_g, p_s = _dq_key_tiles(
             dq, da_s, p_g, p_s, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
-            DOT_PRECISION,
+            DOT_PRECISION, DOCUMENTS,
         )  # fmt: skip
     else:
         dq, da_s, p_g, p_s = _dq_key_tiles(
-            dq, da_s, p_g, p_s, *args, lo, hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION
-        )
+            dq, da_s, p_g, p_s, *args, lo, hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION,
+            DOCUMENTS,
+        )  # fmt: skip
     # ds = temp * da * scale is the gradient with respect to q.k
     dq = dq * (temp * sm_scale)[:, None]
     dq_tile = _tile(DQ + row_off, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM)
@@ -666,13 +761,16 @@ def _dkdv_query_tiles(
     lo,
     hi,
     Tq,
+    Tk,
     offset,
     window,
+    doc_base,
     offs_m,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
 ):
     """Accumulate dk, dv of one key tile (BLOCK_N rows) over query tiles [lo, hi) of one query head.
 
@@ -696,7 +794,12 @@ def _dkdv_query_tiles(
         a_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * (ds_scale * LOG2E)[None, :] - lse2[None, :]
         if MASKED:
             q_pos = offset + rows
-            vis = _visibility(q_pos[None, :], k_pos[:, None], window) & (rows < Tq)[None, :]
+            if DOCUMENTS:
+                row_first = _row_doc_starts(doc_base, q_pos, Tk)
+            else:
+                row_first = q_pos  # unread
+            vis = _document_visibility(q_pos[None, :], k_pos[:, None], window, row_first[None, :], DOCUMENTS)
+            vis = vis & (rows < Tq)[None, :]
             a_t = tl.where(vis, a_t, float("-inf"))
         p_t = tl.math.exp2(a_t)
         dv = tl.dot(p_t.to(g_acc.dtype), g_acc, dv, input_precision=DOT_PRECISION)
@@ -720,6 +823,8 @@ def polar_bwd_dkdv_kernel(
     DS_SCALE,
     DPC,
     GQ2,
+    DOC_START,
+    DOC_END,
     DK,
     DV,
     stride_qb,
@@ -740,6 +845,7 @@ def polar_bwd_dkdv_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOCUMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
@@ -756,8 +862,8 @@ def polar_bwd_dkdv_kernel(
     k = _load_tile(_tile(K + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), True)
     v = _load_tile(_tile(V + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), True)
 
-    last_key = tl.minimum(start_n + BLOCK_N, Tk) - 1
-    lo, full_lo, full_hi, hi = _query_segments(start_n, last_key, offset, Tq, window, BLOCK_M)
+    doc_base = DOC_START + b * Tk
+    lo, full_lo, full_hi, hi = _query_sweep(DOC_END + b * Tk, start_n, Tq, Tk, window, BLOCK_M, BLOCK_N, DOCUMENTS)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -769,21 +875,22 @@ def polar_bwd_dkdv_kernel(
         args = (k, v, k_pos, q_base, a_base, stats_base, LSE2, DS_SCALE, DPC, GQ2, stride_qt, stride_qt)
         if SPLIT_MASK:
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, lo, tl.minimum(full_lo, hi), Tq, offset, window, offs_m, HEAD_DIM,
-                True, BLOCK_M, DOT_PRECISION,
+                dk, dv, *args, lo, tl.minimum(full_lo, hi), Tq, Tk, offset, window, doc_base, offs_m, HEAD_DIM,
+                True, BLOCK_M, DOT_PRECISION, DOCUMENTS,
             )  # fmt: skip
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, full_lo, full_hi, Tq, offset, window, offs_m, HEAD_DIM,
-                False, BLOCK_M, DOT_PRECISION,
+                dk, dv, *args, full_lo, full_hi, Tq, Tk, offset, window, doc_base, offs_m, HEAD_DIM,
+                False, BLOCK_M, DOT_PRECISION, DOCUMENTS,
             )  # fmt: skip
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, tl.maximum(full_lo, full_hi), hi, Tq, offset, window, offs_m, HEAD_DIM,
-                True, BLOCK_M, DOT_PRECISION,
+                dk, dv, *args, tl.maximum(full_lo, full_hi), hi, Tq, Tk, offset, window, doc_base, offs_m,
+                HEAD_DIM, True, BLOCK_M, DOT_PRECISION, DOCUMENTS,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, lo, hi, Tq, offset, window, offs_m, HEAD_DIM, True, BLOCK_M, DOT_PRECISION
-            )
+                dk, dv, *args, lo, hi, Tq, Tk, offset, window, doc_base, offs_m, HEAD_DIM, True, BLOCK_M,
+                DOT_PRECISION, DOCUMENTS,
+            )  # fmt: skip
     _store_tile(_tile(DK + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), dk)
     _store_tile(_tile(DV + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), dv)
 
@@ -813,12 +920,23 @@ class HeadParams:
         self.v_null = v_null.float().contiguous()
 
 
-def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window: int):
-    """Returns c (B, Tq, H, D), mag (B, Tq, H) in q's dtype and fp32 (B, H, Tq) lse, n_eff, ||s_vec||."""
+def _documents(doc_start, placeholder: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(doc_start as a contiguous int32 (B, Tk), True), or (`placeholder`, False) where there are no documents:
+    the kernels then compile without reading it."""
+    if doc_start is None:
+        return placeholder, False
+    return doc_start.to(torch.int32).contiguous(), True
+
+
+def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, window: int, doc_start=None):
+    """Returns c (B, Tq, H, D), mag (B, Tq, H) in q's dtype and fp32 (B, H, Tq) lse, n_eff, ||s_vec||.
+
+    doc_start: None or integer (B, Tk) (kernels/documents.py)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     params = HeadParams(len_gain, null_base, null_slope, mag_beta, v_null)
+    doc_start, documents = _documents(doc_start, q)
     c = torch.empty_like(q)
     mag = q.new_empty(b, tq, h)
     lse, n_eff, s_norm = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(3))
@@ -828,14 +946,14 @@ def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
 
     polar_fwd_kernel[grid](
         q, k, v, c, mag, lse, n_eff, s_norm,
-        params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
+        params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null, doc_start,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
         mag.stride(0), mag.stride(1), mag.stride(2),
         tq, tk, h, window, 1.0 / math.sqrt(d), *length_buckets(tq, tk),
-        GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype),
+        GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype), DOCUMENTS=documents,
     )  # fmt: skip
     return c, mag, lse, n_eff, s_norm
 
@@ -846,7 +964,7 @@ def length_buckets(tq: int, tk: int) -> tuple[int, int]:
     return triton.next_power_of_2(tq), triton.next_power_of_2(tk)
 
 
-def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int):
+def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int, window: int, doc_start, documents):
     """Launch the per-query backward preamble; returns its per-query outputs."""
     b, tq, h, d = q.shape
     g_acc = torch.empty_like(q)
@@ -856,30 +974,30 @@ def _preamble(q, g_c, g_mag, c, lse, n_eff, s_norm, params: HeadParams, tk: int,
     dvnull_part = q.new_empty(b, h, n_tiles, d, dtype=torch.float32)
     polar_bwd_preamble_kernel[(n_tiles, b * h)](
         c, g_c, g_mag, lse, n_eff, s_norm,
-        params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null,
+        params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null, doc_start,
         g_acc, lse2, ds_scale, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part,
         c.stride(0), c.stride(1), c.stride(2),
         g_c.stride(0), g_c.stride(1), g_c.stride(2),
         g_mag.stride(0), g_mag.stride(1), g_mag.stride(2),
         g_acc.stride(0), g_acc.stride(1), g_acc.stride(2),
         tq, tk, h, window, 1.0 / math.sqrt(d),
-        HEAD_DIM=d, BLOCK_M=PREAMBLE_BLOCK_M,
+        HEAD_DIM=d, DOCUMENTS=documents, BLOCK_M=PREAMBLE_BLOCK_M,
         num_warps=PREAMBLE_WARPS,
     )  # fmt: skip
     return g_acc, lse2, ds_scale, dp_const, g_q2, da_null, delta_rest, keep, dmag_row, dvnull_part
 
 
-def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq, tk, window):
+def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq, tk, window, doc_start=None):
     """Per-head parameter gradients from per-query fp32 (B, H, Tq) quantities.
 
     a_j = temp s_j and a_N = temp null, so d temp = sum_j da_j s_j + da_N null and d null = da_N temp.
+    With doc_start each (batch, query) has its own count n.
     """
-    device = da_s.device
-    n = torch.arange(tk - tq, tk, device=device, dtype=torch.float32) + 1
-    if window > 0:
-        n = n.clamp_max(window)
+    n = visible_key_counts(tq, tk, window, da_s.device, doc_start).float()  # (Tq,), or (B, Tq)
+    if doc_start is not None:
+        n = n[:, None, :]
     log_n, root = torch.log(n), torch.sqrt(torch.log1p(n))
-    temp = 1.0 + params.sp_alpha[:, None] * log_n  # (H, Tq)
+    temp = 1.0 + params.sp_alpha[:, None] * log_n  # (H, Tq), or (B, H, Tq)
     null = params.null_base[:, None] + params.sp_gamma[:, None] * root
     d_temp = da_s + da_null * null
     d_null = da_null * temp
@@ -892,22 +1010,26 @@ def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq
 
 
 def polar_backward(
-    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int
-):
+    g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int,
+    doc_start=None,
+):  # fmt: skip
     """All eight input gradients (fp32 for the per-head parameters, input dtype for q, k, v)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     params = HeadParams(len_gain, null_base, null_slope, mag_beta, v_null)
+    doc_start, documents = _documents(doc_start, q)
+    # each key's exclusive document end bounds the dk/dv kernel's query loop
+    doc_end = document_ends(doc_start).contiguous() if documents else q
     g_acc, lse2, ds_scale, dp_const, g_q2, da_null_pre, delta_rest, keep, dmag_row, dvnull_part = _preamble(
-        q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window
+        q, g_c, g_mag, c, lse, n_eff, s_norm, params, tk, window, doc_start, documents
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     da_s, da_null = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(2))
     scale = 1.0 / math.sqrt(d)
-    common = dict(GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype))
+    common = dict(GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype), DOCUMENTS=documents)
     buckets = length_buckets(tq, tk)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     strides += (v.stride(0), v.stride(1), v.stride(2))
@@ -917,15 +1039,18 @@ def polar_backward(
 
     # da_null is a separate output (not updated in place): autotuning reruns the kernel
     polar_bwd_dq_kernel[dq_grid](
-        q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, dq, da_s, da_null,
-        *strides, tq, tk, h, window, scale, *buckets, **common,
+        q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, doc_start,
+        dq, da_s, da_null, *strides, tq, tk, h, window, scale, *buckets, **common,
     )  # fmt: skip
 
     def dkdv_grid(meta):
         return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
 
     polar_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, g_acc, lse2, ds_scale, dp_const, g_q2, dk, dv, *strides, tq, tk, h, window, *buckets, **common,
+        q, k, v, g_acc, lse2, ds_scale, dp_const, g_q2, doc_start, doc_end, dk, dv,
+        *strides, tq, tk, h, window, *buckets, **common,
     )  # fmt: skip
-    head_grads = _head_gradients(params, da_s, da_null, dmag_row, dvnull_part, tq, tk, window)
+    head_grads = _head_gradients(
+        params, da_s, da_null, dmag_row, dvnull_part, tq, tk, window, doc_start if documents else None
+    )
     return (dq, dk, dv, *head_grads)

@@ -7,8 +7,12 @@ output gradient), o (out_proj's input, recomputed for its weight gradient), and 
 column sums of [db, dc, dx] (in_proj's bias gradient) and dw (the convolution's weight gradient), summed
 by the caller: deterministic, no atomics. A memory-bound pass: 4 reads and 4 writes per channel and token,
 where autograd's compiled backward took several passes over z. Rows are tokens of sequences of T: a
-row's position in its sequence (row mod T) bounds both shifts, so sequences never mix. No shared memory
-beyond the reductions, so the one fixed config fits every GPU (benchmarks/kernels/kernel_resources.py lists it).
+row's position in its sequence (row mod T) bounds both shifts, so sequences never mix. With documents
+(doc_start), a row's position in its document bounds them instead, so documents never mix either: an int32
+a row that the launcher computes once, read for the tile's rows and the k - 1 rows after it (the tap s
+steps back of row t counts where s <= t's position in its document). DOCUMENTS is a constexpr: without
+documents the kernel compiles as it did before them. No shared memory beyond the reductions, so the one
+fixed config fits every GPU (benchmarks/kernels/kernel_resources.py lists it).
 Importing this module imports triton.
 """
 
@@ -18,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atma_titan.kernels.documents import check_doc_start, positions_in_document
 from atma_titan.kernels.short_conv.ops import MAX_KERNEL
 
 # Tiles of 16 rows x 64 channels, 4 warps, 2,048 rows a program: on the H200 at 16 x 2,048 tokens x 1,024
@@ -31,8 +36,8 @@ ROWS_PER_PROGRAM = 2048
 
 @triton.jit
 def _gated_conv_bwd_kernel(
-    z_ptr, bias_ptr, w_ptr, do_ptr, dz_ptr, o_ptr, part_ptr, w_part_ptr, M, C, T, rows_per_program,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    z_ptr, bias_ptr, w_ptr, do_ptr, dz_ptr, o_ptr, part_ptr, w_part_ptr, reach_ptr, M, C, T, rows_per_program,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, DOCUMENTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     col_block, group = tl.program_id(0), tl.program_id(1)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,7 +64,10 @@ def _gated_conv_bwd_kernel(
     first = group * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
     for start in range(first, last, BLOCK_M):
-        pos = (start + tile_rows) % T  # each row's position in its sequence bounds both shifts
+        if DOCUMENTS:  # each row's position in its document (reach_ptr) bounds both shifts
+            reach = tl.load(reach_ptr + start + tile_rows, mask=start + tile_rows < last, other=0)
+        else:
+            pos = (start + tile_rows) % T  # each row's position in its sequence bounds both shifts
         ok = (start + tile_rows < last)[:, None] & col_ok[None, :]
         z_tile = z_ptr + tl.cast(start, tl.int64) * (3 * C)  # b; c and x are C and 2C columns on
         do_tile = do_ptr + tl.cast(start, tl.int64) * C
@@ -69,7 +77,11 @@ def _gated_conv_bwd_kernel(
         dy = do * c
         dp = tl.load(w_ptr + cols * K + (K - 1), mask=col_ok, other=0.0).to(tl.float32)[None, :] * dy
         for s in tl.static_range(1, K):
-            after = ok & (pos + s < T)[:, None]
+            if DOCUMENTS:  # row t + s's tap s reads row t: a row past M or of another sequence reads as 0 < s
+                after_rows = start + tile_rows + s
+                after = ok & (tl.load(reach_ptr + after_rows, mask=after_rows < M, other=0) >= s)[:, None]
+            else:
+                after = ok & (pos + s < T)[:, None]
             c_s = tl.load(z_tile + z_off + (s * 3 * C + C), mask=after, other=0.0).to(tl.float32) + bias_c
             do_s = tl.load(do_tile + off + s * C, mask=after, other=0.0).to(tl.float32)
             tap = tl.load(w_ptr + cols * K + (K - 1 - s), mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -87,7 +99,10 @@ def _gated_conv_bwd_kernel(
         y = tl.load(w_ptr + cols * K + (K - 1), mask=col_ok, other=0.0).to(tl.float32)[None, :] * p
         dw0 += dy * p
         for s in tl.static_range(1, K):
-            before = ok & (pos >= s)[:, None]
+            if DOCUMENTS:
+                before = ok & (reach >= s)[:, None]
+            else:
+                before = ok & (pos >= s)[:, None]
             b_s = tl.load(z_tile + z_off - s * 3 * C, mask=before, other=0.0).to(tl.float32) + bias_b
             x_s = tl.load(z_tile + z_off + (2 * C - s * 3 * C), mask=before, other=0.0).to(tl.float32) + bias_x
             p_s = tl.where(before, b_s * x_s, 0.0)
@@ -117,7 +132,13 @@ def _gated_conv_bwd_kernel(
         tl.store(w_part - 3, tl.sum(dw3, axis=0), mask=col_ok)
 
 
-def _check(u: torch.Tensor, do: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(
+    u: torch.Tensor,
+    do: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    doc_start: torch.Tensor | None = None,
+) -> None:
     if u.ndim != 3 or u.shape[2] % 3 or not u.is_contiguous():
         raise ValueError(f"u must be a contiguous (batch, time, 3 x channels) tensor, got {tuple(u.shape)}")
     channels = u.shape[2] // 3
@@ -132,6 +153,7 @@ def _check(u: torch.Tensor, do: torch.Tensor, weight: torch.Tensor, bias: torch.
         )
     if bias is not None and (bias.shape != u.shape[2:] or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} must be a contiguous ({u.shape[2]},) vector")
+    check_doc_start(doc_start, u.shape[0], u.shape[1])
 
 
 def gated_conv_backward(
@@ -139,11 +161,12 @@ def gated_conv_backward(
     do: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None,
     rows_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dz, o, column sums of dz in fp32, dw in fp32) for z = u + bias, u (B, T, 3C), bias (3C,) or None,
-    do (B, T, C) and the conv weight (C, k) (reference.py)."""
-    _check(u, do, weight, bias)
+    do (B, T, C), the conv weight (C, k) and doc_start (B, T) or None (reference.py)."""
+    _check(u, do, weight, bias, doc_start)
     batch, seq_len, channels = do.shape
     kernel = weight.shape[1]
     m = batch * seq_len
@@ -154,8 +177,11 @@ def gated_conv_backward(
     w_parts = torch.empty((groups, channels, kernel), dtype=torch.float32, device=u.device)
     if m == 0:
         return dz, o, parts.new_zeros(3 * channels), w_parts.new_zeros(channels, kernel)
+    # each row's position in its document, flattened as the rows are: one int32 a token, read k times a tile
+    reach = u if doc_start is None else positions_in_document(doc_start).to(torch.int32).reshape(m)
     _gated_conv_bwd_kernel[(triton.cdiv(channels, BLOCK_N), groups)](
-        u, u if bias is None else bias, weight, do, dz, o, parts, w_parts, m, channels, seq_len, rows_per_program,
-        K=kernel, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        u, u if bias is None else bias, weight, do, dz, o, parts, w_parts, reach, m, channels, seq_len,
+        rows_per_program, K=kernel, HAS_BIAS=bias is not None, DOCUMENTS=doc_start is not None, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
     )  # fmt: skip
     return dz, o, parts.sum(0), w_parts.sum(0)

@@ -2,7 +2,7 @@
 
 Run by test_gated_delta_triton.py (alone: see this folder's conftest.py). Shapes are tiny (the interpreter
 runs every program in Python); Dv = 32 with the interpreter's Dv block of 16 covers several Dv blocks, T = 70
-and 130 cover ragged tail chunks.
+and 130 cover ragged tail chunks. Packed documents (doc_start) are checked against each document run alone.
 
 Every kernel launched here runs under tests/support/interpreter_bounds.py (the interpreter itself reads and
 writes host memory unchecked): each masked-in address of every tl.load / tl.store must lie inside one of
@@ -19,6 +19,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from documents import doc_start_from_lengths
+from gated_delta_documents import assert_documents_apart
 from helpers import (
     F64,
     NAMES,
@@ -31,6 +33,7 @@ from helpers import (
 )
 from interpreter_bounds import interpreter_bounds_check
 
+from atma_titan.kernels.documents import document_resets
 from atma_titan.kernels.gated_delta import gated_delta_chunked_triton, gated_delta_step_
 from atma_titan.kernels.gated_delta.reference import gated_delta_step_inplace
 
@@ -88,6 +91,64 @@ def test_chunked_kernel_on_empty_sequence_returns_initial_state():
     r, state = gated_delta_chunked_triton(**inputs)
     assert r.shape == (1, 0, 2, 16)
     torch.testing.assert_close(state, inputs["initial_state"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents: the state is zeroed before each document start (doc_start)
+
+DOCUMENT_CASES = [
+    # (document lengths per row, with_initial_state); the kernel's chunk is 64
+    # resets at a chunk start (64), at 67 and 68 (two in one chunk, a length-1 document) and at 1; row 1's
+    # second chunk starts with a reset and holds no other
+    ([[64, 3, 1, 60], [1, 63, 64]], True),
+    # a reset on a chunk's last row (63) and a length-1 document at the sequence's end, in a ragged tail
+    ([[20, 43, 6, 1]], False),
+]
+
+
+@pytest.mark.parametrize("lengths,with_initial_state", DOCUMENT_CASES)
+def test_packed_documents_match_each_document_alone(lengths, with_initial_state):
+    doc_start = doc_start_from_lengths(lengths)
+    batch, seq_len = doc_start.shape
+    inputs = random_inputs(batch, seq_len, 2, 16, 16, with_initial_state=with_initial_state, seed=seq_len)
+    assert_documents_apart(gated_delta_chunked_triton, inputs, doc_start, 2e-5, dtype=torch.float32)
+
+
+def test_documents_in_half_precision_match_the_float64_recurrence():
+    doc_start = doc_start_from_lengths([[64, 3, 1, 60]])
+    inputs = random_inputs(1, 128, 2, 16, 16, seed=9)
+    compare_to_float64(gated_delta_chunked_triton, inputs, torch.float16, 4e-3, doc_start=doc_start.long())
+
+
+def test_reset_gradient_and_one_document_window():
+    """The resets' log_gamma gradient is exactly zero; doc_start all zero gives exactly the doc_start=None
+    numbers (outputs and every gradient)."""
+    inputs = cast(random_inputs(2, 70, 2, 16, 16, seed=10), torch.float32)
+    leaves = [x.requires_grad_(True) for x in inputs.values()]
+    doc_starts = {
+        "none": None,
+        "one": torch.zeros(2, 70, dtype=torch.int32),
+        "packed": doc_start_from_lengths([[64, 1, 5], [30, 40]]),
+    }
+    results = {}
+    for name, doc_start in doc_starts.items():
+        r, state = gated_delta_chunked_triton(**inputs, doc_start=doc_start)
+        grads = torch.autograd.grad((r * r.detach().cos()).sum() + state.square().sum(), leaves)
+        results[name] = (r, state, *grads)
+    for plain, one_document in zip(results["none"], results["one"]):
+        assert torch.equal(plain, one_document)
+    dlog_gamma = results["packed"][2 + NAMES.index("log_gamma")]
+    resets = document_resets(doc_starts["packed"])
+    assert torch.equal(dlog_gamma[resets], torch.zeros_like(dlog_gamma[resets]))
+    assert (dlog_gamma[~resets] != 0).all()
+
+
+def test_rejects_bad_doc_start():
+    inputs = cast(random_inputs(1, 5, 1, 16, 16), torch.float32)
+    with pytest.raises(ValueError, match="doc_start"):
+        gated_delta_chunked_triton(**inputs, doc_start=torch.zeros(1, 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="doc_start"):
+        gated_delta_chunked_triton(**inputs, doc_start=torch.zeros(1, 5))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,14 +267,16 @@ def test_prefill_then_decode_equals_one_chunked_pass():
 # torch.library registration
 
 
+@pytest.mark.parametrize("with_documents", [False, True], ids=["one", "documents"])
 @pytest.mark.parametrize("with_initial_state", [True, False], ids=["init", "zeros"])
-def test_chunked_op_passes_opcheck(with_initial_state):
+def test_chunked_op_passes_opcheck(with_initial_state, with_documents):
     inputs = cast(random_inputs(1, 20, 1, 16, 16, with_initial_state=with_initial_state, seed=2), torch.float32)
     args = tuple(inputs[name] for name in NAMES)
     for x in args:
         if x is not None:
             x.requires_grad_(True)
-    torch.library.opcheck(torch.ops.atma.gated_delta_chunk_fwd, (*args, True, True))
+    doc_start = doc_start_from_lengths([[7, 13]]) if with_documents else None
+    torch.library.opcheck(torch.ops.atma.gated_delta_chunk_fwd, (*args, True, True, doc_start))
 
 
 def test_backward_reuses_the_forward_workspaces():
@@ -262,13 +325,17 @@ def test_step_op_passes_opcheck():
     )
 
 
-def test_compiles_with_fullgraph_and_backward_on_cpu():
+@pytest.mark.parametrize("with_documents", [False, True], ids=["one", "documents"])
+def test_compiles_with_fullgraph_and_backward_on_cpu(with_documents):
     inputs = cast(random_inputs(1, 20, 1, 16, 16, seed=6), torch.float32)
     for x in inputs.values():
         x.requires_grad_(True)
+    doc_start = doc_start_from_lengths([[7, 13]]) if with_documents else None
 
     def memory(q, k, v, log_gamma, beta, initial_state):
-        r, state = gated_delta_chunked_triton(q, k, v, log_gamma, beta.sigmoid(), initial_state=initial_state)
+        r, state = gated_delta_chunked_triton(
+            q, k, v, log_gamma, beta.sigmoid(), initial_state=initial_state, doc_start=doc_start
+        )
         return (r * 2).sum() + state.square().sum()
 
     compiled = torch.compile(memory, fullgraph=True, backend="inductor")
