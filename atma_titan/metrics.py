@@ -14,7 +14,9 @@ The logger has no knowledge of the config module; the trainer maps its
 
 Metric keys the stdout line knows how to format (anything else is appended as
 ``key value``): ``loss``, ``grad_norm``, ``lr``, ``tokens_per_second``, ``mfu``
-(a fraction, printed as a percentage) and ``memory_gib``.
+(a fraction, printed as a percentage) and ``memory_gib``; a mixture's ``tokens/<source>`` are shown
+together as each source's share of the tokens seen (``mix web 70% code 30%``) and its
+``documents/<source>`` only in the files.
 """
 
 from __future__ import annotations
@@ -232,9 +234,15 @@ def format_stdout(step: int, metrics: dict[str, Any], eta_s: float | None = None
     if metrics.get("memory_gib") is not None:
         parts.append(f"mem {metrics['memory_gib']:.1f} GiB")
     shown = set(known) | {"mfu", "memory_gib"}
+    # A mixture's per-source counts (tokens/<source>, documents/<source>): one "mix" field of token shares.
+    per_source = {k: v for k, v in metrics.items() if k.startswith(("tokens/", "documents/")) and v is not None}
+    tokens = {k.split("/", 1)[1]: v for k, v in per_source.items() if k.startswith("tokens/")}
     for key, value in metrics.items():
-        if key not in shown and value is not None:
+        if key not in shown and key not in per_source and value is not None:
             parts.append(f"{key} {_format_value(value)}")
+    if tokens:
+        total = max(1, sum(tokens.values()))
+        parts.append("mix " + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in tokens.items()))
     if eta_s is not None:
         parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)

@@ -40,6 +40,7 @@ from atma_titan.checkpoint.weights import export_safetensors
 from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.config.validation import config_warnings
 from atma_titan.data import TrainData
+from atma_titan.data.mixture_data import MixtureData, open_train_data
 from atma_titan.data.boundaries import document_starts
 from atma_titan.utils.cli import command
 from atma_titan.utils.device import (
@@ -224,6 +225,17 @@ def format_bytes(n: int) -> str:
     return f"{n:.1f} TB"
 
 
+def print_data_plan(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """A mixture's plan: per stage and source, the tokens, their share and the passes over the source."""
+    if not cfg.data.sources:
+        return
+    plan = BatchPlan.of(cfg.training, dims.dp_degree)
+    data = open_train_data(cfg.data, args.vocab_size, cfg.training.steps)
+    print(f"data: a mixture of {len(data.names)} sources, {plan.describe()}")
+    for line in data.plan_lines(plan.global_batch, plan.seq_len, cfg.training.steps):
+        print(f"  {line}")
+
+
 def print_parameters(model: ATMA) -> None:
     print(f"parameters: {sum(p.numel() for p in model.parameters()):,}")
     for name, count in parameter_breakdown(model).items():
@@ -312,6 +324,7 @@ class Run:
     job_state: dict
     say: Callable[..., None]
     began: float
+    data: object = None  # TrainData, or MixtureData for [[data.sources]]
     loader: object = None
     batches: Iterator | None = None
     document_eot: int | None = None  # data.document_mask: the EOT id that begins each document
@@ -335,8 +348,15 @@ class Run:
         self.exits.close()
 
 
-def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, dims: ParallelDims) -> Run:
-    """Open the run folder's sinks and data, build model and optimizers, resume, open the loader."""
+def setup(
+    cfg: JobConfig,
+    args: ModelArgs,
+    start: Start,
+    device: torch.device,
+    dims: ParallelDims,
+    data: TrainData | MixtureData,
+) -> Run:
+    """Open the run folder's sinks, build model and optimizers, resume, open the loader of the (opened) data."""
     say = print_flush if dims.is_main else (lambda *a, **k: None)
     began = time.perf_counter()
     cpu_threads = set_cpu_threads(device)  # before any op runs; the header says the choice
@@ -352,7 +372,6 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
         # A run without a checkpoint continues after step 0: the rows of a restarted run are dropped.
         resumed_from = chosen.step if start.resume_step is not None else 0
         logger = exits.enter_context(open_logger(cfg, dims, folder, resumed_from))  # wandb fails here, before the build
-        data = TrainData(cfg.data, args.vocab_size)  # a bad file or tokenizer fails before the model is built
         ck = cfg.checkpoint
         if ck.export_hf:  # fail now, not after training, when transformers is missing
             import_optional("transformers", "hf", "checkpoint.export_hf = true")
@@ -360,7 +379,7 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
         seed = None if loads_weights else cfg.job.seed  # a checkpoint sets every weight: skip the initial ones
         model = build_model(args, device, parallel=parallel_plan(cfg, dims, device), seed=seed)
         optimizers = build_optimizers(model, cfg.optimizer)
-        schedules = LRSchedules(optimizers, cfg.lr_scheduler, cfg.training.steps)
+        schedules = LRSchedules(optimizers, cfg.lr_scheduler, cfg.training.steps, decay_from=decay_from(cfg, data))
         state = TrainState()
         job_state = {
             "model": model_state(model),
@@ -374,6 +393,7 @@ def setup(cfg: JobConfig, args: ModelArgs, start: Start, device: torch.device, d
             optimizers=optimizers, schedules=schedules, state=state, checkpointer=checkpointer, job_state=job_state,
             say=say, began=began, exits=exits,
         )  # fmt: skip
+        run.data = data
         run.document_eot = data.eot_id if cfg.data.document_mask else None
         say_header(run, cpu_threads)
         # Before the loader forks its workers: they inherit the handler, so a Ctrl-C to the process group
@@ -395,6 +415,13 @@ def prepare_folder(cfg: JobConfig, folder: RunFolder) -> None:
         folder.done.unlink()
     if cfg.job.print_config:
         print(cfg.to_toml(), flush=True)
+
+
+def decay_from(cfg: JobConfig, data: TrainData | MixtureData) -> int | None:
+    """The steps done when the learning rate starts to decay, where lr_scheduler.decay_stage names a data stage."""
+    if not cfg.lr_scheduler.decay_stage:
+        return None
+    return data.mixture.stage_named(cfg.lr_scheduler.decay_stage).start_step - 1
 
 
 def open_checkpointer(cfg: JobConfig, dims: ParallelDims, folder: RunFolder, say: Callable) -> CheckpointManager:
@@ -484,6 +511,9 @@ def say_header(run: Run, cpu_threads: CpuThreads | None) -> None:
         # the recall records' tokens count recall_weight times in the mean: ~37 where plain CE would be ~3
         weight = f"data.recall_weight = {cfg.data.recall_weight:g}"
         run.say(f"  loss is recall-weighted ({weight}): not comparable to plain CE")
+    if isinstance(run.data, MixtureData):
+        for line in run.data.describe():
+            run.say(f"  {line}")
     if run.document_eot is not None:
         run.say(f"  documents kept apart (data.document_mask): each begins at an EOT (id {run.document_eot})")
     if run.dims.is_main:
@@ -542,7 +572,7 @@ def restore(run: Run, start: Start, chosen: Chosen | None) -> dict | None:
     return rank_state
 
 
-def open_loader(run: Run, data: TrainData, rank_state: dict | None) -> None:
+def open_loader(run: Run, data: TrainData | MixtureData, rank_state: dict | None) -> None:
     """This rank's loader at the run's stream position; its exact state and RNGs when the world is unchanged."""
     cfg, plan = run.cfg, run.plan
     run.loader = data.loader(
@@ -574,7 +604,8 @@ def prepare_step(run: Run) -> None:
     n_attention = sum(args.is_global(i) for i in range(args.n_layers))
     flops = flops_per_token(non_embedding_params(run.model), n_attention, args.n_heads, args.head_dim, run.plan.seq_len)
     run.throughput = Throughput(flops, peak_flops(device))
-    run.validator = Validator(cfg, args.vocab_size, dims, run.document_eot) if cfg.eval.interval else None
+    mixture = run.data.mixture if isinstance(run.data, MixtureData) else None
+    run.validator = Validator(cfg, args.vocab_size, dims, run.document_eot, mixture) if cfg.eval.interval else None
     run.first_step = run.state.step + 1
     run.profiler = run.exits.enter_context(
         StepProfiler(cfg.profiling, run.folder.path, dims.rank, run.first_step, device, run.say)
@@ -594,8 +625,13 @@ def train_step(run: Run) -> StepStats:
     cfg = run.cfg.training
     fused = cfg.loss == "fused"  # the head returns the summed CE: no (tokens x vocab) logits
     chunks = dict(chunk_mib=cfg.loss_chunk_mib, compile_backend=cfg.compile_backend if cfg.compile else None)
+    mixture = run.data.counts if isinstance(run.data, MixtureData) else None
     for micro in range(plan.accum):
-        inputs, labels, *weights = (t.to(device, non_blocking=True) for t in next(run.batches))
+        batch = next(run.batches)
+        if mixture is not None:  # (inputs, labels, sources): count what each source gave, on the host
+            mixture.add(batch[2], batch[0])
+            batch = batch[:2]
+        inputs, labels, *weights = (t.to(device, non_blocking=True) for t in batch)
         if dims.distributed:  # reduce-scatter gradients and free the gathered parameters after the last one
             set_micro_batch(run.model, last=micro == plan.accum - 1)
         targets = LossTargets(labels, *weights, **chunks) if fused else None
@@ -675,7 +711,7 @@ def after_step(run: Run, stats: StepStats) -> bool:
     last_step = step == cfg.training.steps
     evaluated = {}
     if run.validator and (step % cfg.eval.interval == 0 or last_step):
-        evaluated = run.validator.run(run.model, run.device)
+        evaluated = run.validator.run(run.model, run.device, step)
     if step == run.first_step or step % cfg.metrics.log_freq == 0 or last_step or stats.stop or evaluated:
         log_step(run, stats, evaluated)
     ck = cfg.checkpoint
@@ -699,7 +735,15 @@ def log_step(run: Run, stats: StepStats, evaluated: dict) -> None:
     }
     if run.args.distractor_weight > 0:
         run.last["distractor_loss"] = stats.aux
+    if isinstance(run.data, MixtureData):  # collective: every rank logs at the same steps
+        run.last.update(source_metrics(run.data))
     run.logger.log(step, {k: v for k, v in run.last.items() if k != "step"}, eta_s=eta_seconds(run))
+
+
+def source_metrics(data: MixtureData) -> dict[str, int]:
+    """tokens/<source> and documents/<source> seen so far, all ranks together."""
+    totals = data.counts.totals()
+    return {f"{key}/{name}": int(n) for key in ("tokens", "documents") for name, n in zip(data.names, totals[key])}
 
 
 def eta_seconds(run: Run) -> float | None:
@@ -771,6 +815,8 @@ def say_summary(run: Run, how: str) -> None:
     if "loss" in run.last:
         val = f", val loss {run.last['val_loss']:.4f}" if "val_loss" in run.last else ""
         lines.append(f"  final train loss {run.last['loss']:.4f}{val}")
+    if isinstance(run.data, MixtureData):
+        lines += [f"  {line}" for line in run.data.summary(run.data.counts.totals())]
     folder = run.folder
     files = [folder.config.name, folder.metrics.name]
     if run.saved_step is not None:
@@ -802,15 +848,18 @@ def train(cfg: JobConfig) -> dict:
             if dims.is_main:
                 with torch.device("meta"):
                     print_parameters(ATMA(args))
+                print_data_plan(cfg, args, dims)
             return {}
         # Before the folder is read: one job per run folder (all ranks exit 2 together when it is taken).
+        # Bad data (a missing file, a manifest of another tokenizer) fails here, before anything is written.
+        data = open_train_data(cfg.data, args.vocab_size, cfg.training.steps)
         lock = lock_run_folder(Path(cfg.job.dump_folder), distributed=dims.distributed, is_main=dims.is_main)
         start = read_start(cfg)
         if start.complete_at is not None:
             if dims.is_main:
                 print(f"{start.folder.path} is already complete at step {start.complete_at}: nothing to do", flush=True)
             return {}
-        with setup(cfg, args, start, device, dims) as run:
+        with setup(cfg, args, start, device, dims, data) as run:
             run.stop.launcher = launcher
             return run_loop(run)
     finally:

@@ -71,6 +71,10 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
         if from_cli:
             return str(value)
         raise TypeError("expected a string")
+    if origin is list and args == (dict,):  # a list of tables: [[data.sources]]
+        if isinstance(value, list) and not from_cli:
+            return value
+        raise TypeError("a list of tables: write it in the TOML file as [[section.key]] tables")
     if tp is list or origin is list:
         if isinstance(value, list):
             return value
@@ -167,5 +171,5 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         load_toml(cfg, config_path)
     for section, key, value in parse_overrides(argv):
         _set_field(cfg, section, key, value, f"command line --{section}.{key}", from_cli=True)
-    validate(cfg)
+    validate(cfg, origin=config_path or "command line")
     return cfg

@@ -131,6 +131,11 @@ class LRScheduler:
     decay_start: float = opt(0.3, "constant_then_linear: fraction of steps held constant before the linear decay.")
     warmup_steps: int = opt(0, "Linear warm-up steps (both schedules).")
     min_lr_ratio: float = opt(0.0, "Final learning rate as a fraction of the peak.")
+    decay_stage: str = opt(
+        "",
+        "constant_then_linear: start the decay where this data stage ([[data.stages]] name) starts, not at "
+        "decay_start.",
+    )
 
 
 @dataclass
@@ -146,7 +151,7 @@ class Data:
     hf_split: str = opt("train", "hf: split to stream.")
     text_field: str = opt("text", "jsonl / parquet / hf: the field that holds the document text.")
     tokenizer: str = opt("byte", "byte, gpt2 (tiktoken), or a tokenizer.json path / Hugging Face hub id.")
-    seed: int = opt(1234, "Seed of the synthetic source.")
+    seed: int = opt(1234, "Seed of the synthetic source, and of a mixture's draw of each window's source.")
     recall_weight: float = opt(
         1.0,
         "synthetic: training-loss weight of the planted recall tokens (1 = the plain LM loss). The filler "
@@ -159,6 +164,16 @@ class Data:
         "Keep documents apart inside a training window: no mixer reads across a document start (the EOT before "
         "each document): attention sees only its own document's keys, the memory restarts from zero and the "
         "convolutions from zero history. Off: a window is a stretch of the token stream (docs/data.md).",
+    )
+    sources: list[dict] = opt(
+        [],
+        "A mixture, in the TOML file: [[data.sources]] tables of name, source, path, weight (and val_path, "
+        "hf_config, hf_split, text_field, seed); they replace source/path/val_path (docs/data.md, Mixtures).",
+    )
+    stages: list[dict] = opt(
+        [],
+        "With sources, in the TOML file: [[data.stages]] tables of name, start_step (or start, a fraction of "
+        "training.steps) and weights = {source = weight}, each the mixture from that step on.",
     )
 
 
@@ -307,4 +322,6 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table: a mixture's [[data.sources]] are written as a list of them
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")

@@ -5,17 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from atma_titan.config.sections import JobConfig
+from atma_titan.data.mixture import parse_mixture
 from atma_titan.models.flavors import resolve_model_args
 from atma_titan.utils.errors import ConfigError
 
 
-def validate(cfg: JobConfig) -> None:
-    """Cross-field and range checks that the types alone cannot express."""
-    t = cfg.training
+def check(ok: bool, key: str, value: Any, allowed: str, origin: str = "") -> None:
+    """Raise a ConfigError naming the key, its value and what is allowed (and the file, where given) unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{origin + ': ' if origin else ''}'{key}' = {value!r} is invalid; allowed: {allowed}.")
 
-    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
-        if not ok:
-            raise ConfigError(f"'{key}' = {value!r} is invalid; allowed: {allowed}.")
+
+def validate(cfg: JobConfig, origin: str = "config") -> None:
+    """Cross-field and range checks that the types alone cannot express (`origin`: the file the mixture came from)."""
+    t = cfg.training
+    need = check
 
     need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
     need(t.seq_len >= 2, "training.seq_len", t.seq_len, "an integer >= 2")
@@ -50,6 +54,7 @@ def validate(cfg: JobConfig) -> None:
         cfg.lr_scheduler.min_lr_ratio,
         "a fraction in [0, 1]",
     )
+    validate_mixture(cfg, origin)
     need(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, ">= 0")
     need(
         len(cfg.optimizer.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.adam_betas),
@@ -85,6 +90,34 @@ def validate(cfg: JobConfig) -> None:
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
     need(cfg.debug.memory_cap_gib >= 0, "debug.memory_cap_gib", cfg.debug.memory_cap_gib, ">= 0")
     resolve_model_args(cfg.model)  # the flavor and the overrides together (models/flavors.py)
+
+
+def validate_mixture(cfg: JobConfig, origin: str) -> None:
+    """[[data.sources]] and [[data.stages]] and the keys that depend on them; errors name `origin`, the file."""
+
+    def need(ok: bool, key: str, value: Any, allowed: str) -> None:
+        check(ok, key, value, allowed, origin)
+
+    mixture = parse_mixture(cfg.data, cfg.training.steps, origin)  # [[data.sources]] and [[data.stages]], or None
+    need(
+        mixture is None or cfg.data.recall_weight == 1.0,
+        "data.recall_weight",
+        cfg.data.recall_weight,
+        "1.0 with [[data.sources]] (the recall weights are for one synthetic source)",
+    )
+    decay_stage = cfg.lr_scheduler.decay_stage
+    need(
+        not decay_stage or (mixture is not None and mixture.stage_named(decay_stage) is not None),
+        "lr_scheduler.decay_stage",
+        decay_stage,
+        f"a stage of [[data.stages]] ({', '.join(s.name for s in mixture.stages) if mixture else 'none here'})",
+    )
+    need(
+        not decay_stage or cfg.lr_scheduler.name == "constant_then_linear",
+        "lr_scheduler.decay_stage",
+        decay_stage,
+        "empty unless lr_scheduler.name = 'constant_then_linear'",
+    )
 
 
 def config_warnings(cfg: JobConfig) -> list[str]:

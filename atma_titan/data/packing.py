@@ -54,7 +54,7 @@ from atma_titan.data.loader import stateful_loader
 from atma_titan.data.stream_plan import StreamPlan
 from atma_titan.data.tokenizer import Tokenizer, encode_batch
 
-__all__ = ["Packer", "pack", "PackedBatches", "build_text_dataloader", "consumed_positions"]
+__all__ = ["Packer", "PartWindows", "pack", "PackedBatches", "build_text_dataloader", "consumed_positions"]
 
 
 class Packer:
@@ -215,7 +215,7 @@ class PackedBatches(IterableDataset):
         self.seq_len, self.micro_batch, self.tokenize_batch = seq_len, micro_batch, tokenize_batch
         self.rank, self.world_size = rank, world_size
         self._loaded: dict | None = None  # a state to start from (load_state_dict), until iteration starts
-        self._live: _Stream | None = None  # the running iteration
+        self._live: PartWindows | None = None  # the running iteration
 
     # ------------------------------------------------------------------ state
 
@@ -223,66 +223,98 @@ class PackedBatches(IterableDataset):
         """Where this worker's stream stands after the last batch it yielded."""
         if self._live is not None:
             return self._live.state()
-        return dict(self._loaded) if self._loaded is not None else {"source": None, "carry": []}
+        return dict(self._loaded) if self._loaded is not None else dict(PartWindows.FRESH)
 
     def load_state_dict(self, state: dict) -> None:
         self._loaded, self._live = dict(state), None
 
-    def _check_state(self, state: dict, part: int, num_parts: int) -> None:
-        saved = (state.get("part", part), state.get("num_parts", num_parts))
-        if saved != (part, num_parts):
-            raise ValueError(
-                f"loader state was saved by part {saved[0]} of {saved[1]} (rank x loader worker); this is part "
-                f"{part} of {num_parts}: restore it with the same world size and num_workers (at another, "
-                "start from the stream plan instead)"
-            )
-        source = state.get("source")
-        if (source is not None and "unit" not in source) or (state["carry"] and "carry_positions" not in state):
-            raise ValueError(
-                f"loader state {source} was written by an older atma_titan (files split without a stream plan); "
-                "it cannot be restored"
-            )
-
     # ------------------------------------------------------------------ iteration
-
-    def _tokenized(self, documents: Iterator[tuple[str, dict]]) -> Iterator[tuple[list[int], dict]]:
-        """(tokens, source state after the document), tokenising ``tokenize_batch`` documents per call."""
-        while True:
-            texts, states = [], []
-            for text, state in documents:
-                texts.append(text)
-                states.append(state)
-                if len(texts) == self.tokenize_batch:
-                    break
-            if not texts:
-                return  # a finite source ran out (DocumentSources normally do not)
-            yield from zip(encode_batch(self.tokenizer, texts), states)
 
     def __iter__(self):
         worker, num_workers = _worker_slot()
         part, num_parts = self.rank * num_workers + worker, self.world_size * num_workers
         start = self.state_dict()  # a loaded state, or where the previous iteration stopped
-        self._check_state(start, part, num_parts)
-        packer = Packer(self.seq_len + 1, self.tokenizer.eot_id, start["carry"], start.get("carry_doc_starts"))
-        stream = _Stream(part, num_parts, packer, start["source"], start.get("carry_positions", []))
-        self._live, self._loaded = stream, None
-        documents = self.source.documents(part, num_parts, start["source"], plan=self.plan)
-        tokenized = self._tokenized(documents)
+        check_part_state(start, part, num_parts)
+        windows = PartWindows(self.source, self.tokenizer, self.seq_len + 1, part, num_parts, self.plan, start,
+                              self.tokenize_batch)  # fmt: skip
+        self._live, self._loaded = windows, None
         rows: list[np.ndarray] = []
-        while True:
-            window = stream.window()
-            if window is None:
-                document = next(tokenized, None)
-                if document is None:
-                    return
-                # The state moves only with documents that reached the packer, not the ones read ahead.
-                stream.add(*document)
-                continue
+        while (window := windows.next()) is not None:
             rows.append(window)
             if len(rows) == self.micro_batch:
                 tokens = torch.from_numpy(np.stack(rows))
                 rows = []
                 yield tokens[:, :-1], tokens[:, 1:]
+
+
+def check_part_state(state: dict, part: int, num_parts: int) -> None:
+    """Refuse a part's saved state that another split (world size x loader workers) wrote."""
+    saved = (state.get("part", part), state.get("num_parts", num_parts))
+    if saved != (part, num_parts):
+        raise ValueError(
+            f"loader state was saved by part {saved[0]} of {saved[1]} (rank x loader worker); this is part "
+            f"{part} of {num_parts}: restore it with the same world size and num_workers (at another, "
+            "start from the stream plan instead)"
+        )
+    source = state.get("source")
+    if (source is not None and "unit" not in source) or (state["carry"] and "carry_positions" not in state):
+        raise ValueError(
+            f"loader state {source} was written by an older atma_titan (files split without a stream plan); "
+            "it cannot be restored"
+        )
+
+
+def _tokenized(documents: Iterator[tuple[str, dict]], tokenizer: Tokenizer, batch: int):
+    """(tokens, source state after the document), tokenising `batch` documents per call."""
+    while True:
+        texts, states = [], []
+        for text, state in documents:
+            texts.append(text)
+            states.append(state)
+            if len(texts) == batch:
+                break
+        if not texts:
+            return  # a finite source ran out (DocumentSources normally do not)
+        yield from zip(encode_batch(tokenizer, texts), states)
+
+
+class PartWindows:
+    """One part's packed windows of one document source, from a saved part state (or a fresh one).
+
+    ``next()`` is the next window of ``length`` tokens (None when a finite source runs out); ``state()``
+    where the part stands after it (the module docstring's per-worker state)."""
+
+    FRESH = {"source": None, "carry": []}
+
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer: Tokenizer,
+        length: int,
+        part: int,
+        num_parts: int,
+        plan: StreamPlan | None,
+        state: dict | None = None,
+        tokenize_batch: int = 64,
+    ):
+        state = state or self.FRESH
+        packer = Packer(length, tokenizer.eot_id, state["carry"], state.get("carry_doc_starts"))
+        self.stream = _Stream(part, num_parts, packer, state["source"], state.get("carry_positions", []))
+        # A generator: nothing is read before the first next().
+        documents = source.documents(part, num_parts, state["source"], plan=plan)
+        self.tokenized = _tokenized(documents, tokenizer, tokenize_batch)
+
+    def next(self) -> np.ndarray | None:
+        while (window := self.stream.window()) is None:
+            document = next(self.tokenized, None)
+            if document is None:
+                return None
+            # The state moves only with documents that reached the packer, not the ones read ahead.
+            self.stream.add(*document)
+        return window
+
+    def state(self) -> dict:
+        return self.stream.state()
 
 
 def _dataset_states(loader) -> list[dict]:

@@ -13,15 +13,18 @@ if TYPE_CHECKING:
     from atma_titan.optim.container import Optimizers
 
 
-def lr_factor(cfg: LRScheduler, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of each group's peak lr for the optimizer step that follows `done` completed steps."""
+def lr_factor(cfg: LRScheduler, total_steps: int, decay_from: int | None = None) -> Callable[[int], float]:
+    """Multiplier of each group's peak lr for the optimizer step that follows `done` completed steps.
+
+    `decay_from`: the completed steps after which constant_then_linear decays (a data stage's start,
+    lr_scheduler.decay_stage), instead of `decay_start` x the steps."""
     warmup = cfg.warmup_steps
     floor = cfg.min_lr_ratio
 
     def constant_then_linear(done: int) -> float:
         if done < warmup:
             return (done + 1) / warmup
-        start = max(warmup, int(cfg.decay_start * total_steps))
+        start = max(warmup, int(cfg.decay_start * total_steps) if decay_from is None else decay_from)
         if done < start:
             return 1.0
         progress = (done - start) / max(1, total_steps - start)
@@ -39,8 +42,8 @@ def lr_factor(cfg: LRScheduler, total_steps: int) -> Callable[[int], float]:
 class LRSchedules:
     """One LambdaLR per optimizer, all following the same factor."""
 
-    def __init__(self, optimizers: Optimizers, cfg: LRScheduler, total_steps: int):
-        factor = lr_factor(cfg, total_steps)
+    def __init__(self, optimizers: Optimizers, cfg: LRScheduler, total_steps: int, decay_from: int | None = None):
+        factor = lr_factor(cfg, total_steps, decay_from)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizers.optimizers]
 
     def step(self) -> None:
