@@ -12,11 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from atma_titan.config import JobConfig, load_config, load_toml
 from atma_titan.data import SyntheticSource
 from atma_titan.data.mixture import MixtureSchedule, parse_mixture
 from atma_titan.data.mixture_batches import build_mixture_dataloader
+from atma_titan.data.mixture_data import MixtureState, open_train_data
 from atma_titan.data.shards import BinShards, write_shard
 from atma_titan.data.tokenizer import build_tokenizer
 from atma_titan.train import train
@@ -367,3 +369,65 @@ def test_a_synthetic_and_bin_mixture_saved_on_2_ranks_resumes_on_1_with_the_stra
     for s in (6, 7):
         assert moved[s]["loss"] == pytest.approx(straight[s]["loss"], rel=1e-4), s
     assert counts(moved[7], ["syn", "web"]) == counts(straight[7], ["syn", "web"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sources that run out, and validation per source
+
+
+def test_sources_that_run_out_start_another_pass_and_the_checkpoint_counts_the_passes(tmp_path):
+    """A .bin source wraps around to its first window (its windows repeat, pass after pass); a text source starts
+    another pass over its documents; the checkpoint's mixture entry holds the passes made over each."""
+    write_shard(str(tmp_path / "tiny_000.bin"), np.arange(200) % 250)  # 6 windows of 33 tokens a pass
+    per_pass = (200 - 1) // SEQ
+    with open(tmp_path / "notes.jsonl", "w") as out:
+        for d in range(3):
+            out.write(json.dumps({"text": f"note {d}: short."}) + "\n")
+    tables = [
+        source("tiny", "bin", 1, path=str(tmp_path / "tiny_*.bin")),
+        source("notes", "text", 1, path=str(tmp_path / "notes.jsonl")),
+    ]
+    (tmp_path / "mix.toml").write_text(config_text(4, *tables))
+    cfg = load_config(["--config", str(tmp_path / "mix.toml")])
+    data = open_train_data(cfg.data, VOCAB, cfg.training.steps)
+    loader = iter(
+        data.loader(seq_len=SEQ, global_batch=GLOBAL, micro_batch=MICRO, rank=0, world_size=1, start_window=0,
+                    pin_memory=False)
+    )  # fmt: skip
+    tiny = []
+    for _ in range(4 * GLOBAL // MICRO):
+        inputs, labels, drawn = next(loader)
+        data.counts.add(drawn, inputs)
+        tiny += [torch.cat([i, l[-1:]]) for i, l, s in zip(inputs, labels, drawn.tolist()) if s == 0]
+    assert len(tiny) > 2 * per_pass  # the draw took the tiny source round more than twice
+    for k in range(per_pass, len(tiny)):  # pass after pass, the same windows in the same order
+        assert torch.equal(tiny[k], tiny[k - per_pass]), k
+    state = json.loads(MixtureState(data).state_dict()["mixture"])
+    assert state["names"] == ["tiny", "notes"] and state["windows"][0] == len(tiny)
+    assert state["epochs"][0] == pytest.approx(len(tiny) / per_pass)
+    assert state["epochs"][1] >= 2  # three short documents: every pass is read within a few windows
+    restored = open_train_data(cfg.data, VOCAB, cfg.training.steps)
+    MixtureState(restored).load_state_dict({"mixture": json.dumps(state)})
+    assert restored.counts.totals()["windows"].tolist() == state["windows"]
+    assert min(u.epoch for u in restored.streamed["notes"].plan.units) == state["epochs"][1]
+
+
+def test_each_source_validates_on_its_own_data_and_the_mixture_by_the_stage_weights(tmp_path):
+    pattern = shard(tmp_path)
+    tables = [
+        source("a", "synthetic", 3, seed=1),  # validates on a held-out seed
+        source("b", "synthetic", 1, seed=2),
+        source("web", "bin", 1, path=pattern, val_path=pattern),
+        stage("late", 3, "b = 1, web = 1"),  # a leaves the mixture, and its mean
+    ]
+    extra = "\n[eval]\ninterval = 2\nval_batches = 1\n"
+    (tmp_path / "mix.toml").write_text(config_text(4, *tables, extra=extra))
+    train(load_config(["--config", str(tmp_path / "mix.toml"), "--job.dump_folder", str(tmp_path / "run")]))
+    logged = rows(tmp_path / "run")
+    for step, weights in ((2, {"a": 3, "b": 1, "web": 1}), (4, {"b": 1, "web": 1})):
+        row = logged[step]
+        losses = {n: row[f"val_loss/{n}"] for n in NAMES}
+        assert len(set(losses.values())) == 3  # three held-out sets, three losses
+        mean = sum(losses[n] * w for n, w in weights.items()) / sum(weights.values())
+        assert row["val_loss"] == pytest.approx(mean, rel=1e-12), (step, row)
+    assert "val_loss" not in logged[1] and "val_loss" not in logged[3]
