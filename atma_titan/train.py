@@ -41,6 +41,7 @@ from atma_titan.config import ConfigError, JobConfig, help_text, load_config
 from atma_titan.config.validation import config_warnings
 from atma_titan.data import TrainData
 from atma_titan.data.mixture_data import MixtureData, open_train_data
+from atma_titan.data.skips import SkipState, StreamSkips, skip_pairs
 from atma_titan.data.boundaries import document_starts
 from atma_titan.utils.cli import command
 from atma_titan.utils.device import (
@@ -52,7 +53,9 @@ from atma_titan.utils.device import (
     set_cpu_threads,
 )
 from atma_titan.utils.errors import InputError, import_optional
+from atma_titan.run.bad_batch import TOP_PARAMETERS, BadBatchRecorder
 from atma_titan.run.faults import FaultInjector
+from atma_titan.run.watchdog import Watchdog
 from atma_titan.run.lock import lock_run_folder
 from atma_titan.run.gc_schedule import GCSchedule
 from atma_titan.hf.load import HF_CONFIG, load_hf_weights
@@ -68,6 +71,9 @@ from atma_titan.models import ATMA, ModelArgs, build_model, parameter_breakdown,
 from atma_titan.models.atma import non_embedding_params
 from atma_titan.models.loss import LossTargets
 from atma_titan.optim import LRSchedules, Optimizers, build_optimizers
+from atma_titan.optim.muon import Muon
+from atma_titan.parallel.grad_norm import each_norm
+from atma_titan.parallel.memory_plan import print_memory_plan
 from atma_titan.parallel import (
     LaunchEnv,
     ParallelDims,
@@ -81,6 +87,7 @@ from atma_titan.parallel import (
     total_norm,
 )
 from atma_titan.run.preemption import LauncherWatch, StopRequest
+from atma_titan.run.spikes import LossSpike, Spike, SpikeMonitor
 from atma_titan.run.resume_check import Change, check_resume
 from atma_titan.profiling.window import StepProfiler
 from atma_titan.run.folder import RunFolder, step_dir
@@ -90,6 +97,9 @@ from atma_titan.eval.validation import Validator
 class NonFiniteLoss(RuntimeError):
     """A NaN/Inf loss or gradient under training.nan_policy = 'abort' (exit status 3)."""
 
+
+# Entries of the checkpoint state newer than some checkpoints: loading one of those leaves them as they start.
+ADDED_STATE = ("spike_monitor", "data_skip")
 
 HF_FOLDER = "hf"  # checkpoint.export_hf writes <dump_folder>/hf/
 
@@ -156,6 +166,7 @@ class StepStats:
     grad_norm: float
     lr: float
     stop: bool  # some rank was asked to stop (SIGTERM / SIGUSR1)
+    spike: Spike | None = None  # the step spiked (run/spikes.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,6 +345,10 @@ class Run:
     validator: Validator | None = None
     stop: StopRequest = field(default_factory=StopRequest)
     faults: FaultInjector | None = None
+    watchdog: Watchdog | None = None
+    spikes: SpikeMonitor | None = None
+    skips: StreamSkips = field(default_factory=StreamSkips)
+    recorder: BadBatchRecorder | None = None
     profiler: StepProfiler | None = None
     first_step: int = 1
     first_step_done_at: float = 0.0
@@ -363,8 +378,8 @@ def setup(
     seed_everything(cfg.job.seed, cfg.job.deterministic)
     plan = BatchPlan.of(cfg.training, dims.dp_degree)
     folder = start.folder
-    if dims.is_main:
-        prepare_folder(cfg, folder)
+    if dims.is_main and cfg.job.print_config:
+        print(cfg.to_toml(), flush=True)
     with contextlib.ExitStack() as exits:  # closes what is already open if the set-up fails
         checkpointer = open_checkpointer(cfg, dims, folder, say)
         exits.callback(checkpointer.close)
@@ -380,12 +395,15 @@ def setup(
         model = build_model(args, device, parallel=parallel_plan(cfg, dims, device), seed=seed)
         optimizers = build_optimizers(model, cfg.optimizer)
         schedules = LRSchedules(optimizers, cfg.lr_scheduler, cfg.training.steps, decay_from=decay_from(cfg, data))
-        state = TrainState()
+        state, spikes = TrainState(), SpikeMonitor(cfg.spikes)
+        skips = StreamSkips.from_config(cfg.data, plan.global_batch)
         job_state = {
             "model": model_state(model),
             "optimizer": optimizer_state(model, optimizers.optimizers),
             "lr_scheduler": schedules,
             "train_state": state,
+            "spike_monitor": spikes,  # its window: a resumed run judges its next step as the straight run would
+            "data_skip": SkipState(skips),  # after train_state: checked against its position once loaded
             **data.checkpoint_state(),  # a streamed source's global document cursor
         }
         run = Run(
@@ -393,14 +411,17 @@ def setup(
             optimizers=optimizers, schedules=schedules, state=state, checkpointer=checkpointer, job_state=job_state,
             say=say, began=began, exits=exits,
         )  # fmt: skip
-        run.data = data
+        run.data, run.spikes, run.skips = data, spikes, skips
         run.document_eot = data.eot_id if cfg.data.document_mask else None
         say_header(run, cpu_threads)
         # Before the loader forks its workers: they inherit the handler, so a Ctrl-C to the process group
         # leaves them running and the step can finish and save.
         run.stop.install()
         exits.callback(run.stop.uninstall)
-        open_loader(run, data, restore(run, start, chosen))
+        rank_state = restore(run, start, chosen)
+        if dims.is_main:  # after the checkpoint's own checks (data.skip): a refused resume leaves the folder as it was
+            prepare_folder(cfg, folder)
+        open_loader(run, data, rank_state)
         prepare_step(run)
         run.exits = exits.pop_all()  # from here on the Run closes them
     return run
@@ -413,8 +434,6 @@ def prepare_folder(cfg: JobConfig, folder: RunFolder) -> None:
     done = folder.done_step()
     if done is not None and done < cfg.training.steps:
         folder.done.unlink()
-    if cfg.job.print_config:
-        print(cfg.to_toml(), flush=True)
 
 
 def decay_from(cfg: JobConfig, data: TrainData | MixtureData) -> int | None:
@@ -514,6 +533,8 @@ def say_header(run: Run, cpu_threads: CpuThreads | None) -> None:
     if isinstance(run.data, MixtureData):
         for line in run.data.describe():
             run.say(f"  {line}")
+    if run.skips:
+        run.say(f"  leaving out the data of {run.skips.describe(run.plan.global_batch)} (data.skip)")
     if run.document_eot is not None:
         run.say(f"  documents kept apart (data.document_mask): each begins at an EOT (id {run.document_eot})")
     if run.dims.is_main:
@@ -555,7 +576,8 @@ def restore(run: Run, start: Start, chosen: Chosen | None) -> dict | None:
             run.say(f"loaded model weights from {ck.initial_load_hf} (checkpoint.initial_load_hf)")
         return None
     if start.resume_step is not None:
-        rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen)
+        rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen, optional=ADDED_STATE)
+        run.job_state["data_skip"].check(run.state.windows_consumed)
         run.schedules.follow()
         run.saved_step = run.state.step
         run.say(f"resumed from {chosen.path} at step {run.state.step}")
@@ -566,7 +588,8 @@ def restore(run: Run, start: Start, chosen: Chosen | None) -> dict | None:
         run.checkpointer.load({"model": run.job_state["model"]}, checkpoint=chosen)
         rank_state = None
     else:
-        rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen)
+        rank_state = run.checkpointer.load(run.job_state, checkpoint=chosen, optional=ADDED_STATE)
+        run.job_state["data_skip"].check(run.state.windows_consumed)
         run.schedules.follow()
     run.say(f"loaded {'model weights' if ck.model_only else 'checkpoint'} from {chosen.path}")
     return rank_state
@@ -583,6 +606,7 @@ def open_loader(run: Run, data: TrainData | MixtureData, rank_state: dict | None
         world_size=run.dims.dp_degree,
         start_window=run.state.windows_consumed,
         pin_memory=run.device.type == "cuda",
+        skips=run.skips,
     )
     # Otherwise a random-access loader was rebuilt from the global stream position, the same at any world size.
     if rank_state is not None and rank_state.get("num_workers") == cfg.data.num_workers:
@@ -594,7 +618,7 @@ def open_loader(run: Run, data: TrainData | MixtureData, rank_state: dict | None
 
 
 def prepare_step(run: Run) -> None:
-    """The loss function, precision, throughput meter, validator, profiler and fault hooks."""
+    """The loss function, precision, throughput meter, validator, profiler, fault hooks and hang watchdog."""
     cfg, args, dims, device = run.cfg, run.args, run.dims, run.device
     if cfg.training.compile:  # fused log-softmax: one (tokens x vocab) buffer fewer
         run.loss_fn = torch.compile(cross_entropy_sum, backend=cfg.training.compile_backend)
@@ -611,6 +635,9 @@ def prepare_step(run: Run) -> None:
         StepProfiler(cfg.profiling, run.folder.path, dims.rank, run.first_step, device, run.say)
     )
     run.faults = FaultInjector(cfg.debug, dims.rank)
+    run.watchdog = Watchdog.from_config(cfg.watchdog, run.folder.path, dims.rank).start()
+    run.exits.callback(run.watchdog.stop)
+    run.recorder = BadBatchRecorder(run.folder.path, dims.rank, cfg.spikes.records)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,11 +653,13 @@ def train_step(run: Run) -> StepStats:
     fused = cfg.loss == "fused"  # the head returns the summed CE: no (tokens x vocab) logits
     chunks = dict(chunk_mib=cfg.loss_chunk_mib, compile_backend=cfg.compile_backend if cfg.compile else None)
     mixture = run.data.counts if isinstance(run.data, MixtureData) else None
+    skip_data(run, step)
+    run.recorder.start_step()
     for micro in range(plan.accum):
-        batch = next(run.batches)
+        batch, sources = next(run.batches), None
         if mixture is not None:  # (inputs, labels, sources): count what each source gave, on the host
-            mixture.add(batch[2], batch[0])
-            batch = batch[:2]
+            (*batch, sources) = batch
+            mixture.add(sources, batch[0])
         inputs, labels, *weights = (t.to(device, non_blocking=True) for t in batch)
         if dims.distributed:  # reduce-scatter gradients and free the gathered parameters after the last one
             set_micro_batch(run.model, last=micro == plan.accum - 1)
@@ -641,6 +670,7 @@ def train_step(run: Run) -> StepStats:
         # sum CE / tokens of the whole global batch: micro-batches and ranks add up to the mean.
         ce_sum = out if fused else run.loss_fn(out, labels, *weights)
         loss = run.faults.loss(step, ce_sum / plan.tokens_per_step)
+        run.recorder.add(batch[0], batch[1], sources, loss)
         share = plan.accum * plan.dp_degree
         total = loss if aux is None else loss + aux / share
         # FSDP averages gradients over ranks; the loss is already a global sum, so undo that.
@@ -659,13 +689,18 @@ def train_step(run: Run) -> StepStats:
     stop = torch.tensor(float(run.stop.requested), pin_memory=device.type == "cuda")  # pinned: copied without a sync
     flags = all_reduce_sum(torch.stack([loss_sum, aux_sum, stop.to(device, non_blocking=True)]), dims)
     totals = torch.cat([flags, grad_norm.reshape(1).to(flags)])  # loss, aux, stop votes, grad norm
-    skip = (~torch.isfinite(totals[0::3]).all()).float()  # the NaN policy's test, on the device
+    skip = ~torch.isfinite(totals[0::3]).all()  # the NaN policy's test, on the device
+    if run.spikes.policy == "skip" and run.spikes.judging:  # the spike test too, as the host will make it
+        limits = torch.tensor(run.spikes.thresholds(), pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        skip = skip | (totals[0] > limits[0]) | (totals[3] > limits[1])
+    skip = skip.float()
     read_totals = copy_to_host(totals)
     values: list[float] = []
+    verdict: list[Spike | None] = []
 
     def allowed() -> bool:  # asked by the optimizers once they have queued what needs no answer
         values.extend(read_totals())
-        return update_allowed(run, step, loss=values[0], grad_norm=values[3])
+        return update_allowed(run, step, loss=values[0], grad_norm=values[3], clip=clip, spike=verdict)
 
     run.optimizers.step(allowed, skip, grad_scale=clip)
     loss_value, aux_value, stop_votes, grad_norm = values
@@ -677,26 +712,108 @@ def train_step(run: Run) -> StepStats:
     run.state.windows_consumed += plan.global_batch
     run.throughput.update(plan.tokens_per_step // plan.dp_degree)
     run.profiler.step()
-    return StepStats(loss_value, aux_value, grad_norm, lr, bool(stop_votes))
+    return StepStats(loss_value, aux_value, grad_norm, lr, bool(stop_votes), *verdict)
 
 
-def update_allowed(run: Run, step: int, loss: float, grad_norm: float) -> bool:
-    """Whether the optimizer step may update: not when loss or gradient norm is not finite; then stop or skip
-    (training.nan_policy)."""
-    if np.isfinite(loss) and np.isfinite(grad_norm):
+def skip_data(run: Run, step: int) -> None:
+    """At a step where data.skip leaves stream steps out: say so, and drop a streamed source's micro-batches of them
+    (a random-access source or a mixture maps its windows past them: data/skips.py)."""
+    if not run.skips:
+        return
+    g = run.plan.global_batch
+    first, now = (run.skips.stream_step(step - 1, g) + 1 if step > 1 else 1), run.skips.stream_step(step, g)
+    if now == first:
+        return
+    run.say(f"step {step}: leaving out the data of stream steps {first}..{now - 1} (data.skip)")
+    if not (run.data.random_access or isinstance(run.data, MixtureData)):
+        for _ in range((now - first) * run.plan.accum):
+            next(run.batches)
+
+
+def update_allowed(
+    run: Run, step: int, loss: float, grad_norm: float, clip: torch.Tensor | None = None, spike: list | None = None
+) -> bool:
+    """Whether the optimizer step may update: not when loss or gradient norm is not finite (training.nan_policy:
+    stop or skip) or when they spike (spikes.policy: log, skip or stop). A bad step is recorded first (while its
+    gradients exist); its spike, if any, is appended to `spike`."""
+    finite = np.isfinite(loss) and np.isfinite(grad_norm)
+    found = run.spikes.judge(step, loss, grad_norm)
+    if spike is not None and found is not None:
+        spike.append(found)
+    if (not finite or found is not None) and not run.recorder.full:
+        record_bad_step(run, step, loss, grad_norm, found, clip)
+    kept = (
+        f"the last checkpoint (step {run.saved_step}) is intact"
+        if run.saved_step is not None
+        else "no checkpoint was saved"
+    )
+    if not finite:
+        if run.cfg.training.nan_policy == "abort":
+            raise NonFiniteLoss(
+                f"loss is {loss} (grad norm {grad_norm}) at step {step}; stopping, {kept}. Lower the learning rate, "
+                "or set training.nan_policy = 'skip' to skip such steps."
+            )
+        run.say(f"step {step}: loss {loss}, grad norm {grad_norm}: skipping this update")
+        return False
+    if found is None:
         return True
-    if run.cfg.training.nan_policy == "abort":
-        kept = (
-            f"the last checkpoint (step {run.saved_step}) is intact"
-            if run.saved_step is not None
-            else "no checkpoint was saved"
+    policy = run.cfg.spikes.policy
+    if policy == "stop":
+        raise LossSpike(
+            f"step {step} spiked: {found.describe()}; stopping, {kept}. Roll back with checkpoint.load_step and skip "
+            f"its data with {skip_advice(run, step)} (docs/training.md, Long runs)."
         )
-        raise NonFiniteLoss(
-            f"loss is {loss} (grad norm {grad_norm}) at step {step}; stopping, {kept}. Lower the learning rate, "
-            "or set training.nan_policy = 'skip' to skip such steps."
-        )
-    run.say(f"step {step}: loss {loss}, grad norm {grad_norm}: skipping this update")
-    return False
+    run.say(f"step {step} spiked: {found.describe()}{': skipping this update' if policy == 'skip' else ''}")
+    return policy != "skip"
+
+
+def skip_advice(run: Run, step: int) -> str:
+    """The data.skip that leaves out the data of `step` (in the stream's numbering) and keeps the ranges in force: the
+    new list replaces the old one on the command line."""
+    data_step = run.skips.stream_step(step, run.plan.global_batch)
+    pairs = [[a, b] for a, b in skip_pairs(run.cfg.data.skip, "data.skip", 1)] + [[data_step, data_step]]
+    return f"data.skip = {pairs}"
+
+
+def record_bad_step(
+    run: Run, step: int, loss: float, grad_norm: float, spike: Spike | None, clip: torch.Tensor | None
+) -> None:
+    """The bad-batch record (run/bad_batch.py): every rank's windows, rank 0's summary. Collective: every rank
+    reaches it together, as the verdict comes from the global loss and norm."""
+    groups = [g for o in run.optimizers.optimizers if not isinstance(o, Muon) for g in o.param_groups]
+    scaled = {id(p) for g in groups for p in g["params"]}  # AdamW's: the clip has scaled their gradients by now
+    named = [(name, p) for name, p in run.model.named_parameters() if p.grad is not None]
+    norms = each_norm([p.grad for _, p in named])
+    if clip is not None:  # undo the clip's scaling (Optimizers.step), so that every norm is the step's own
+        was_scaled = torch.tensor([id(p) in scaled for _, p in named], device=norms.device)
+        norms = torch.where(was_scaled, norms / clip.to(norms), norms)
+    by_size = sorted(
+        zip((name for name, _ in named), norms.tolist()), key=lambda x: x[1] if np.isfinite(x[1]) else np.inf
+    )
+    top = by_size[::-1]
+    plan = run.plan
+    summary = {
+        "step": step,
+        "reason": "non-finite" if spike is None else "spike",
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "spike": None if spike is None else asdict(spike),
+        "layout": dict(
+            ranks=plan.dp_degree,
+            micro_batches_per_rank=plan.accum,
+            micro_batch=plan.micro_batch,
+            seq_len=plan.seq_len,
+            windows_before=run.state.windows_consumed,
+        ),  # fmt: skip
+        "largest_gradient_norms": top[:TOP_PARAMETERS],
+        "roll_back": f"checkpoint.load_step = <a step before {step}>, {skip_advice(run, step)}",
+    }
+    windows = None
+    if run.data.random_access or isinstance(run.data, MixtureData):
+        first = run.state.windows_consumed + run.dims.dp_rank * (plan.global_batch // plan.dp_degree)
+        windows = run.skips.stream_index(np.arange(first, first + plan.global_batch // plan.dp_degree))
+    folder = run.recorder.write(step, summary, windows)
+    run.say(f"step {step}: the bad batch is recorded in {folder}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,7 +829,8 @@ def after_step(run: Run, stats: StepStats) -> bool:
     evaluated = {}
     if run.validator and (step % cfg.eval.interval == 0 or last_step):
         evaluated = run.validator.run(run.model, run.device, step)
-    if step == run.first_step or step % cfg.metrics.log_freq == 0 or last_step or stats.stop or evaluated:
+    due = step == run.first_step or step % cfg.metrics.log_freq == 0 or last_step
+    if due or stats.stop or evaluated or stats.spike:
         log_step(run, stats, evaluated)
     ck = cfg.checkpoint
     run.checkpointer.poll()  # an async save completes (marker, retention) once every rank's write is done
@@ -735,6 +853,8 @@ def log_step(run: Run, stats: StepStats, evaluated: dict) -> None:
     }
     if run.args.distractor_weight > 0:
         run.last["distractor_loss"] = stats.aux
+    if stats.spike is not None:
+        run.last.update(stats.spike.metrics())
     if isinstance(run.data, MixtureData):  # collective: every rank logs at the same steps
         run.last.update(source_metrics(run.data))
     run.logger.log(step, {k: v for k, v in run.last.items() if k != "step"}, eta_s=eta_seconds(run))
@@ -840,7 +960,8 @@ def train(cfg: JobConfig) -> dict:
     env = LaunchEnv.from_environ()
     device = resolve_device(cfg.training.device, env.local_rank, what="'training.device'")
     cap_device_memory(device, cfg.debug.memory_cap_gib)
-    dims = init_distributed(env, cfg.parallelism.dp_replicate, cfg.parallelism.dp_shard, device.type)
+    p = cfg.parallelism
+    dims = init_distributed(env, p.dp_replicate, p.dp_shard, device.type, timeout_s=p.timeout_s)
     lock = None
     try:
         args = resolve_model_args(cfg.model)
@@ -849,6 +970,7 @@ def train(cfg: JobConfig) -> dict:
                 with torch.device("meta"):
                     print_parameters(ATMA(args))
                 print_data_plan(cfg, args, dims)
+                print_memory_plan(cfg, args, env.world_size if env.launched else None)
             return {}
         # Before the folder is read: one job per run folder (all ranks exit 2 together when it is taken).
         # Bad data (a missing file, a manifest of another tokenizer) fails here, before anything is written.
@@ -878,7 +1000,10 @@ def run_loop(run: Run) -> dict:
     with GCSchedule(run.cfg.training.gc_interval) as gc_schedule:
         while run.state.step < steps:
             run.stop.check_launcher()  # torchrun gone (where no SIGTERM came): a stop request like any other
-            stop = after_step(run, train_step(run))
+            run.watchdog.step_started(run.state.step + 1)  # only the step is timed: not validation or saves
+            stats = train_step(run)
+            run.watchdog.step_ended()
+            stop = after_step(run, stats)
             gc_schedule.step(run.state.step)
             if stop:
                 run.checkpointer.wait()
@@ -897,7 +1022,7 @@ def say_stopped(run: Run) -> None:
     say_summary(run, "stopped")
 
 
-@command(statuses={NonFiniteLoss: 3, ExportError: 1})
+@command(statuses={NonFiniteLoss: 3, LossSpike: 3, ExportError: 1})
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:

@@ -500,8 +500,12 @@ class CheckpointManager:
         step: int | None = None,
         path: str | Path | None = None,
         checkpoint: Chosen | None = None,
+        optional: tuple[str, ...] = (),
     ) -> dict[str, Any] | None:
         """Load a verified checkpoint into `state` in place: `checkpoint` if given, else `select(step, path)`.
+
+        `optional`: keys of `state` that a checkpoint written before they existed lacks; there they keep their
+        values (e.g. the spike monitor's window starts empty) instead of failing the load.
 
         Stateful values get load_state_dict; plain values are replaced in `state`, so read them
         back from it. Returns this rank's rank_state when the checkpoint was saved at the current
@@ -517,7 +521,12 @@ class CheckpointManager:
         own, error = None, None
         try:
             reader = SafeFileSystemReader(str(chosen.path))
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+            target = state
+            if optional:
+                saved = {fqn.split(".", 1)[0] for fqn in reader.read_metadata().state_dict_metadata}
+                target = {k: v for k, v in state.items() if k not in optional or k in saved}
+            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._group)
+            state.update(target)  # plain values were replaced in `target`
             mine = chosen.path / rank_file(self.rank)
             if chosen.world_size == self.world_size and mine.is_file():
                 own = load_rank_file(mine)

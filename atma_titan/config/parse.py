@@ -78,10 +78,9 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     if tp is list or origin is list:
         if isinstance(value, list):
             return value
-        if from_cli and isinstance(value, str):
-            return [
-                float(v) if "." in v or "e" in v.lower() else int(v) for v in value.strip("[]").split(",") if v.strip()
-            ]
+        if from_cli and isinstance(value, str):  # "[1, 2]" or "1,2"; pairs "[[3, 4], [6, 6]]" flatten (data.skip)
+            flat = value.replace("[", "").replace("]", "")
+            return [float(v) if "." in v or "e" in v.lower() else int(v) for v in flat.split(",") if v.strip()]
         raise TypeError("expected a list")
     raise TypeError(f"unsupported field type {tp}")
 

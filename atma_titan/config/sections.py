@@ -28,8 +28,18 @@ class Job:
     description: str = opt("", "Free-text description of the run.")
     seed: int = opt(0, "Seed for model initialisation and data order.")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower; for debugging and tests).")
-    dry_run: bool = opt(False, "Build the model on the meta device, print its size and exit.")
+    dry_run: bool = opt(
+        False, "Build the model on the meta device, print its size and per-rank memory plan (job.gpu), and exit."
+    )
     print_config: bool = opt(False, "Print the resolved config at start (it is always written to config.toml).")
+    gpu: str = opt(
+        "auto",
+        "The dry run's memory plan: the GPU to fit (auto: this machine's, else every one listed; all: every one).",
+        ("auto", "all", "l4", "a100-40", "a100-80", "h100", "h200"),
+    )
+    plan_world_size: int = opt(
+        0, "The dry run's memory plan: data-parallel ranks to plan for (0: torchrun's WORLD_SIZE, else 1)."
+    )
 
 
 def _model_section() -> type:
@@ -165,6 +175,14 @@ class Data:
         "each document): attention sees only its own document's keys, the memory restarts from zero and the "
         "convolutions from zero history. Off: a window is a stretch of the token stream (docs/data.md).",
     )
+    skip: list = opt(
+        [],
+        "Steps of the data stream to leave out, [[first, last], ...] (a rollback past a loss spike; may change on "
+        "resume ahead of the position; docs/training.md, Long runs).",
+    )
+    skip_windows: list = opt(
+        [], "Windows of the global stream to leave out, [[first, last], ...] (.bin, synthetic, mixtures)."
+    )
     sources: list[dict] = opt(
         [],
         "A mixture, in the TOML file: [[data.sources]] tables of name, source, path, weight (and val_path, "
@@ -174,6 +192,23 @@ class Data:
         [],
         "With sources, in the TOML file: [[data.stages]] tables of name, start_step (or start, a fraction of "
         "training.steps) and weights = {source = weight}, each the mixture from that step on.",
+    )
+
+
+@dataclass
+class Spikes:
+    policy: str = opt(
+        "log",
+        "What a loss or gradient-norm spike does: log it, skip the step (no update), or stop the run "
+        "(docs/training.md, Long runs).",
+        ("off", "log", "skip", "stop"),
+    )
+    window: int = opt(200, "Recent accepted steps whose median and spread a step's loss and grad norm are judged by.")
+    warmup: int = opt(50, "Steps in the window before spikes are judged.")
+    loss_z: float = opt(6.0, "A spike: a loss this many robust standard deviations above the window's median.")
+    grad_z: float = opt(10.0, "A spike: a gradient norm this many robust standard deviations above the median.")
+    records: int = opt(
+        3, "Bad-batch records kept in <dump_folder>/bad_batches/ (non-finite or spiking steps; 0 = none)."
     )
 
 
@@ -214,6 +249,11 @@ class Parallelism:
         "FSDP: free the gathered block parameters after forward (less memory, one more all-gather per block in "
         "backward). Unset: true when blocks are sharded over several ranks, false at dp_shard = 1.",
     )
+    timeout_s: int = opt(
+        600,
+        "Seconds a collective may wait for the other ranks before it fails (init_process_group's timeout; NCCL "
+        "aborts the job then). Raise it when a rank legitimately works alone longer (a large export).",
+    )
 
 
 @dataclass
@@ -249,9 +289,29 @@ class Profiling:
 class Debug:
     nan_at_step: int = opt(0, "Fault injection: make the loss NaN at this step (0 = never).")
     signal_at_step: int = opt(0, "Fault injection: send SIGTERM to one rank during this step (0 = never).")
-    signal_rank: int = opt(0, "Fault injection: the rank that gets the signal.")
+    signal_rank: int = opt(0, "Fault injection: the rank that gets the signal, or sleeps at sleep_at_step.")
+    spike_at_step: int = opt(0, "Fault injection: multiply the loss by spike_factor at this step (0 = never).")
+    spike_factor: float = opt(50.0, "Fault injection: the factor of spike_at_step.")
     memory_cap_gib: float = opt(
         0.0, "Cap this process's GPU memory at this many GiB, to try a smaller GPU's fit on a larger one (0 = no cap)."
+    )
+    sleep_at_step: int = opt(
+        0, "Fault injection: rank signal_rank sleeps sleep_seconds inside this step, a straggler (0 = never)."
+    )
+    sleep_seconds: float = opt(0.0, "Fault injection: how long signal_rank sleeps at sleep_at_step.")
+
+
+@dataclass
+class Watchdog:
+    slow_factor: float = opt(
+        10.0,
+        "A step that runs this many times the median of the recent steps (and longer than min_seconds) is a hang: "
+        "every rank dumps its threads' stacks to <dump_folder>/hangs/ and exits with status 4 (0 = off).",
+    )
+    min_seconds: float = opt(
+        600.0,
+        "The watchdog never judges a step before it has run this long: above any slow but healthy step "
+        "(the first after a resume or an evaluation, a profiler export).",
     )
 
 
@@ -264,12 +324,14 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     data: Data = field(default_factory=Data)
+    spikes: Spikes = field(default_factory=Spikes)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)
     eval: Eval = field(default_factory=Eval)
     profiling: Profiling = field(default_factory=Profiling)
     debug: Debug = field(default_factory=Debug)
+    watchdog: Watchdog = field(default_factory=Watchdog)
 
     def to_dict(self) -> dict:
         """The config as plain values, URLs redacted (atma_titan.utils.redact): it is what config.toml, the printed

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from atma_titan.config.sections import JobConfig
+from atma_titan.data.build import RANDOM_ACCESS
 from atma_titan.data.mixture import parse_mixture
+from atma_titan.data.skips import skip_pairs
 from atma_titan.models.flavors import resolve_model_args
 from atma_titan.utils.errors import ConfigError
 
@@ -55,6 +57,14 @@ def validate(cfg: JobConfig, origin: str = "config") -> None:
         "a fraction in [0, 1]",
     )
     validate_mixture(cfg, origin)
+    skip_pairs(cfg.data.skip, "data.skip", 1)
+    skip_pairs(cfg.data.skip_windows, "data.skip_windows", 0)
+    need(
+        not cfg.data.skip_windows or cfg.data.source in RANDOM_ACCESS or bool(cfg.data.sources),
+        "data.skip_windows",
+        cfg.data.skip_windows,
+        "empty for a streamed text or HF source (it has no global window index: use data.skip, whole steps)",
+    )
     need(cfg.lr_scheduler.warmup_steps >= 0, "lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, ">= 0")
     need(
         len(cfg.optimizer.adam_betas) == 2 and all(0 <= b < 1 for b in cfg.optimizer.adam_betas),
@@ -62,6 +72,12 @@ def validate(cfg: JobConfig, origin: str = "config") -> None:
         cfg.optimizer.adam_betas,
         "two numbers in [0, 1)",
     )
+    sp = cfg.spikes
+    need(sp.window >= 1, "spikes.window", sp.window, "an integer >= 1")
+    need(1 <= sp.warmup <= sp.window, "spikes.warmup", sp.warmup, f"an integer in [1, spikes.window = {sp.window}]")
+    need(sp.loss_z > 0, "spikes.loss_z", sp.loss_z, "a number > 0")
+    need(sp.grad_z > 0, "spikes.grad_z", sp.grad_z, "a number > 0")
+    need(sp.records >= 0, "spikes.records", sp.records, "an integer >= 0")
     need(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, "an integer >= 1")
     need(cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, ">= 0")
     need(
@@ -89,6 +105,12 @@ def validate(cfg: JobConfig, origin: str = "config") -> None:
     need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
     need(cfg.debug.memory_cap_gib >= 0, "debug.memory_cap_gib", cfg.debug.memory_cap_gib, ">= 0")
+    need(cfg.debug.sleep_at_step >= 0, "debug.sleep_at_step", cfg.debug.sleep_at_step, ">= 0")
+    need(cfg.debug.sleep_seconds >= 0, "debug.sleep_seconds", cfg.debug.sleep_seconds, ">= 0")
+    need(cfg.parallelism.timeout_s >= 1, "parallelism.timeout_s", cfg.parallelism.timeout_s, "an integer >= 1")
+    wd = cfg.watchdog
+    need(wd.slow_factor == 0 or wd.slow_factor >= 1, "watchdog.slow_factor", wd.slow_factor, ">= 1, or 0 = off")
+    need(wd.min_seconds >= 0, "watchdog.min_seconds", wd.min_seconds, ">= 0 (seconds)")
     resolve_model_args(cfg.model)  # the flavor and the overrides together (models/flavors.py)
 
 

@@ -179,6 +179,7 @@ class TrainData:
         world_size: int,
         start_window: int,
         pin_memory: bool,
+        skips=None,
     ):
         """A StatefulDataLoader of (inputs, labels) micro-batches (plus loss weights with data.recall_weight);
         random-access sources start at `start_window` (a position in the global stream, valid at any world size)."""
@@ -198,6 +199,7 @@ class TrainData:
                 num_workers=workers,
                 pin_memory=pin_memory,
                 recall_weight=self.cfg.recall_weight,
+                skips=skips,
             )
         # Every part reads under the same plan (the checkpoint's, or the fresh one), split for ranks x workers.
         self.num_parts = world_size * max(workers, 1)

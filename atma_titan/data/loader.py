@@ -41,7 +41,9 @@ class RankBatches(IterableDataset):
         world_size: int = 1,
         start_window: int = 0,
         recall_weight: float = 1.0,
+        skips=None,
     ):
+        """skips: a data.skips.StreamSkips, the stream's windows training leaves out (None: none)."""
         if recall_weight != 1.0 and not hasattr(source, "window_with_recall_mask"):
             raise ValueError(f"recall_weight needs a source with recall records, not {type(source).__name__}")
         if global_batch % (world_size * micro_batch):
@@ -53,12 +55,14 @@ class RankBatches(IterableDataset):
         self.global_batch, self.per_rank = global_batch, global_batch // world_size
         self.rank, self.start_window = rank, start_window
         self.recall_weight = recall_weight
+        self.skips = skips
         self.next_batch: int | None = None  # None: start at this worker's first batch
 
     def global_index(self, sample: int) -> int:
-        """Global window index of this rank's `sample`-th sample since `start_window`."""
+        """Global window index of this rank's `sample`-th sample since `start_window` (past any skipped windows)."""
         step, within = divmod(sample, self.per_rank)
-        return self.start_window + step * self.global_batch + self.rank * self.per_rank + within
+        position = self.start_window + step * self.global_batch + self.rank * self.per_rank + within
+        return self.skips.stream_index(position) if self.skips else position
 
     def batch(self, b: int) -> tuple[torch.Tensor, ...]:
         first = b * self.micro_batch
@@ -111,7 +115,10 @@ def build_dataloader(
     num_workers: int = 0,
     pin_memory: bool = False,
     recall_weight: float = 1.0,
+    skips=None,
 ):
     """This rank's micro-batches of a random-access source; its state_dict() resumes it exactly."""
-    dataset = RankBatches(source, seq_len, global_batch, micro_batch, rank, world_size, start_window, recall_weight)
+    dataset = RankBatches(
+        source, seq_len, global_batch, micro_batch, rank, world_size, start_window, recall_weight, skips
+    )
     return stateful_loader(dataset, num_workers, pin_memory)

@@ -52,6 +52,7 @@ class MixtureBatches(IterableDataset):
         world_size: int = 1,
         start_window: int = 0,
         names: list[str] | None = None,
+        skips=None,
     ):
         if global_batch % (world_size * micro_batch):
             raise ValueError(
@@ -63,6 +64,7 @@ class MixtureBatches(IterableDataset):
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.global_batch, self.per_rank = global_batch, global_batch // world_size
         self.rank, self.world_size, self.start_window = rank, world_size, start_window
+        self.skips = skips  # data.skips.StreamSkips: windows of the stream left out (None: none)
         self.next_batch: int | None = None  # None: this worker's first batch
         self.stream_states: dict[str, dict] = {}  # streamed source name -> its part state
         self._windows: dict[int, PartWindows] = {}  # the running iteration's part streams
@@ -72,7 +74,12 @@ class MixtureBatches(IterableDataset):
         """(source, index within it) of every window of a step (all ranks'), computed once a step."""
         if self._step is None or self._step[0] != step:
             first = self.start_window + step * self.global_batch
-            self._step = (step, *self.schedule.local_indices(first, self.global_batch))
+            if not self.skips:
+                self._step = (step, *self.schedule.local_indices(first, self.global_batch))
+            else:  # the step's stream windows, past the skipped ones: drawn over their span, the skipped left out
+                stream = self.skips.stream_index(np.arange(first, first + self.global_batch))
+                sources, local = self.schedule.local_indices(int(stream[0]), int(stream[-1] - stream[0]) + 1)
+                self._step = (step, sources[stream - stream[0]], local[stream - stream[0]])
         return self._step[1], self._step[2]
 
     def batch(self, b: int, part: int, num_parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,9 +151,10 @@ def build_mixture_dataloader(
     start_window: int = 0,
     num_workers: int = 0,
     pin_memory: bool = False,
+    skips=None,
 ):
     """This rank's micro-batches of a mixture; its state_dict() resumes it exactly."""
     dataset = MixtureBatches(
-        schedule, sources, seq_len, global_batch, micro_batch, rank, world_size, start_window, names
+        schedule, sources, seq_len, global_batch, micro_batch, rank, world_size, start_window, names, skips
     )
     return stateful_loader(dataset, num_workers, pin_memory)

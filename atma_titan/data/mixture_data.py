@@ -246,6 +246,7 @@ class MixtureData:
         world_size: int,
         start_window: int,
         pin_memory: bool,
+        skips=None,
     ):
         workers = self.cfg.num_workers
         self.seq_len = seq_len
@@ -254,7 +255,9 @@ class MixtureData:
             streamed.plan = streamed.plan.split(self.num_parts)
         schedule = self.schedule(global_batch)
         saved = self.counts.base["windows"]
-        if start_window and saved.sum() == start_window:  # resumed: each source continues where it stopped
+        # Resumed: each source continues where it stopped, even if the stages moved (with skips, the stream's counts
+        # include skipped windows, which the saved counts do not: the current stages' draws decide then).
+        if start_window and saved.sum() == start_window and not skips:
             schedule.anchor(start_window, saved)
         self.live_loader = build_mixture_dataloader(
             schedule,
@@ -268,5 +271,6 @@ class MixtureData:
             start_window=start_window,
             num_workers=workers,
             pin_memory=pin_memory,
+            skips=skips,
         )
         return self.live_loader

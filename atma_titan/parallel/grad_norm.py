@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from atma_titan.optim import local_tensors, scale_grads_
 
-__all__ = ["clip_coefficient", "clip_grads_", "total_norm"]
+__all__ = ["clip_coefficient", "clip_grads_", "each_norm", "total_norm"]
 
 
 def _shard_dims(grads: list[torch.Tensor]) -> list[int] | None:
@@ -40,6 +40,22 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     mesh = grads[0].device_mesh
     squared = torch.nn.utils.get_total_norm(local_tensors(grads)).square()
+    for dim in dims:
+        if mesh.size(dim) > 1:
+            dist.all_reduce(squared, group=mesh.get_group(dim))
+    return squared.sqrt()
+
+
+def each_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of each of `grads`, as one plain float32 tensor (the same on every rank; collective when sharded)."""
+    if not grads:
+        return torch.zeros(0)
+    dims = _shard_dims(grads)
+    if dims is None:
+        full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+        return torch.stack([n.float() for n in torch._foreach_norm(full)])
+    mesh = grads[0].device_mesh
+    squared = torch.stack([n.float() for n in torch._foreach_norm(local_tensors(grads))]).square()
     for dim in dims:
         if mesh.size(dim) > 1:
             dist.all_reduce(squared, group=mesh.get_group(dim))

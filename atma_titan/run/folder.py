@@ -10,6 +10,8 @@
       COMPLETE                  JSON with the manifest (every file's size and xxh3_64): checkpoint_manifest.py
     rolled_back/<time>/step-<N> checkpoints a checkpoint.load_step rollback set aside (never read again)
   eval/                         the eval command's results
+  bad_batches/step-<N>/         what a non-finite or spiking step trained on (run/bad_batch.py)
+  hangs/step-<N>.rank-<R>.txt   each rank's stacks when a step hung (run/watchdog.py)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from atma_titan.utils.errors import InputError
 ALL = "*"
 # Section -> the keys that may change on resume (ALL: every key of the section).
 RESUMABLE: dict[str, set[str] | str] = {
-    "job": {"dump_folder", "description", "deterministic", "dry_run", "print_config"},
+    "job": {"dump_folder", "description", "deterministic", "dry_run", "print_config", "gpu", "plan_world_size"},
     # Which kernel computes an op, not what it computes.
     "model": {"attention_impl", "memory_impl", "mlp_impl", "conv_impl", "loss_impl"},
     # The length of the run (the schedule follows it from the next step), how a step is computed, and
@@ -32,13 +32,15 @@ RESUMABLE: dict[str, set[str] | str] = {
     },  # fmt: skip
     "activation_checkpoint": ALL,
     "lr_scheduler": ALL,  # a function of the step, recomputed at resume: a new schedule applies from the next step
-    "data": {"num_workers", "val_path"},
+    "data": {"num_workers", "val_path", "skip", "skip_windows"},  # skips: checked against the checkpoint's
     "checkpoint": ALL,
     "parallelism": ALL,  # checkpoints reshard to any world size
     "metrics": ALL,
+    "spikes": ALL,  # how a step is judged, not what it computes
     "eval": ALL,
     "profiling": ALL,
     "debug": ALL,
+    "watchdog": ALL,  # when a step counts as hung, not what it computes
 }
 
 
