@@ -72,12 +72,6 @@ def validate(cfg: JobConfig, origin: str = "config") -> None:
         cfg.optimizer.adam_betas,
         "two numbers in [0, 1)",
     )
-    sp = cfg.spikes
-    need(sp.window >= 1, "spikes.window", sp.window, "an integer >= 1")
-    need(1 <= sp.warmup <= sp.window, "spikes.warmup", sp.warmup, f"an integer in [1, spikes.window = {sp.window}]")
-    need(sp.loss_z > 0, "spikes.loss_z", sp.loss_z, "a number > 0")
-    need(sp.grad_z > 0, "spikes.grad_z", sp.grad_z, "a number > 0")
-    need(sp.records >= 0, "spikes.records", sp.records, "an integer >= 0")
     need(cfg.checkpoint.interval >= 1, "checkpoint.interval", cfg.checkpoint.interval, "an integer >= 1")
     need(cfg.checkpoint.keep_latest_k >= 0, "checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, ">= 0")
     need(
@@ -102,6 +96,19 @@ def validate(cfg: JobConfig, origin: str = "config") -> None:
     )
     need(cfg.profiling.start_step >= 1, "profiling.start_step", cfg.profiling.start_step, "an integer >= 1")
     need(cfg.profiling.steps >= 1, "profiling.steps", cfg.profiling.steps, "an integer >= 1")
+    validate_long_runs(cfg)
+    resolve_model_args(cfg.model)  # the flavor and the overrides together (models/flavors.py)
+
+
+def validate_long_runs(cfg: JobConfig) -> None:
+    """The keys that guard a long run (spikes, the watchdog, the collective timeout) and the fault injectors."""
+    need = check
+    sp = cfg.spikes
+    need(sp.window >= 1, "spikes.window", sp.window, "an integer >= 1")
+    need(1 <= sp.warmup <= sp.window, "spikes.warmup", sp.warmup, f"an integer in [1, spikes.window = {sp.window}]")
+    need(sp.loss_z > 0, "spikes.loss_z", sp.loss_z, "a number > 0")
+    need(sp.grad_z > 0, "spikes.grad_z", sp.grad_z, "a number > 0")
+    need(sp.records >= 0, "spikes.records", sp.records, "an integer >= 0")
     need(cfg.debug.nan_at_step >= 0, "debug.nan_at_step", cfg.debug.nan_at_step, ">= 0")
     need(cfg.debug.signal_at_step >= 0, "debug.signal_at_step", cfg.debug.signal_at_step, ">= 0")
     need(cfg.debug.memory_cap_gib >= 0, "debug.memory_cap_gib", cfg.debug.memory_cap_gib, ">= 0")
@@ -111,7 +118,6 @@ def validate(cfg: JobConfig, origin: str = "config") -> None:
     wd = cfg.watchdog
     need(wd.slow_factor == 0 or wd.slow_factor >= 1, "watchdog.slow_factor", wd.slow_factor, ">= 1, or 0 = off")
     need(wd.min_seconds >= 0, "watchdog.min_seconds", wd.min_seconds, ">= 0 (seconds)")
-    resolve_model_args(cfg.model)  # the flavor and the overrides together (models/flavors.py)
 
 
 def validate_mixture(cfg: JobConfig, origin: str) -> None:
