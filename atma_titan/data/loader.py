@@ -20,6 +20,15 @@ class WindowSource(Protocol):
     def window(self, index: int, length: int) -> np.ndarray: ...
 
 
+def check_split(global_batch: int, micro_batch: int, world_size: int) -> None:
+    """Every rank's share of a step must be whole micro-batches (the trainer's BatchPlan ensures it)."""
+    if global_batch % (world_size * micro_batch):
+        raise ValueError(
+            f"a global batch of {global_batch} sequences does not split into micro-batches of "
+            f"{micro_batch} on {world_size} ranks"
+        )
+
+
 class RankBatches(IterableDataset):
     """This rank's share of the global window stream, as micro-batches of (inputs, labels), each (b, seq_len).
 
@@ -46,11 +55,7 @@ class RankBatches(IterableDataset):
         """skips: a data.skips.StreamSkips, the stream's windows training leaves out (None: none)."""
         if recall_weight != 1.0 and not hasattr(source, "window_with_recall_mask"):
             raise ValueError(f"recall_weight needs a source with recall records, not {type(source).__name__}")
-        if global_batch % (world_size * micro_batch):
-            raise ValueError(
-                f"a global batch of {global_batch} sequences does not split into micro-batches of "
-                f"{micro_batch} on {world_size} ranks"
-            )
+        check_split(global_batch, micro_batch, world_size)
         self.source, self.seq_len, self.micro_batch = source, seq_len, micro_batch
         self.global_batch, self.per_rank = global_batch, global_batch // world_size
         self.rank, self.start_window = rank, start_window

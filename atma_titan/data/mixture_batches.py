@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from atma_titan.data.loader import stateful_loader
+from atma_titan.data.loader import check_split, stateful_loader
 from atma_titan.data.mixture import MixtureSchedule
 from atma_titan.data.packing import PartWindows, check_part_state
 
@@ -54,11 +54,7 @@ class MixtureBatches(IterableDataset):
         names: list[str] | None = None,
         skips=None,
     ):
-        if global_batch % (world_size * micro_batch):
-            raise ValueError(
-                f"a global batch of {global_batch} sequences does not split into micro-batches of "
-                f"{micro_batch} on {world_size} ranks"
-            )
+        check_split(global_batch, micro_batch, world_size)
         self.schedule, self.sources = schedule, sources
         self.names = names or [f"source{i}" for i in range(len(sources))]
         self.seq_len, self.micro_batch = seq_len, micro_batch

@@ -77,8 +77,9 @@ class SourceCounts:
         sources = sources.numpy()
         n = len(self.names)
         starts = (inputs == self.eot_id).sum(dim=1).numpy()
-        self.local["windows"] += np.bincount(sources, minlength=n)
-        self.local["tokens"] += np.bincount(sources, minlength=n) * inputs.shape[1]
+        windows = np.bincount(sources, minlength=n)
+        self.local["windows"] += windows
+        self.local["tokens"] += windows * inputs.shape[1]
         self.local["documents"] += np.bincount(sources, weights=starts, minlength=n).astype(np.int64)
 
     def totals(self) -> dict[str, np.ndarray]:
@@ -100,12 +101,12 @@ class MixtureState:
 
     def state_dict(self) -> dict:
         data = self.data
-        totals = data.counts.totals()
+        totals, plans = data.counts.totals(), data.current_plans()  # both collective: once each
         state = {
             "names": data.names,
             **{key: value.tolist() for key, value in totals.items()},
-            "epochs": data.epochs(totals["windows"]),
-            "plans": {name: plan.to_json() for name, plan in data.current_plans().items()},
+            "epochs": data.epochs(totals["windows"], plans),
+            "plans": {name: plan.to_json() for name, plan in plans.items()},
         }
         return {"mixture": json.dumps(state, separators=(",", ":"))}
 
@@ -161,11 +162,10 @@ class MixtureData:
     def schedule(self, global_batch: int) -> MixtureSchedule:
         return MixtureSchedule(self.mixture, global_batch)
 
-    def epochs(self, windows: np.ndarray) -> list[float]:
+    def epochs(self, windows: np.ndarray, plans: dict) -> list[float]:
         """Passes over each source so far: windows over its windows per pass (`.bin`), its stream plan's pass
-        (text, HF), 0 for the synthetic source, which never repeats."""
+        (text, HF; `plans` from current_plans()), 0 for the synthetic source, which never repeats."""
         out = []
-        plans = self.current_plans()
         for name, spec, source, taken in zip(self.names, self.mixture.sources, self.sources, windows):
             if spec.source == "bin":
                 out.append(float(taken) / source.num_windows(self.seq_len + 1) if self.seq_len else 0.0)
@@ -189,7 +189,7 @@ class MixtureData:
     def summary(self, totals: dict[str, np.ndarray]) -> list[str]:
         """The end-of-run lines: per source, tokens (and their share), documents and passes."""
         tokens, documents = totals["tokens"], totals["documents"]
-        epochs = self.epochs(totals["windows"])
+        epochs = self.epochs(totals["windows"], self.current_plans())
         lines = []
         for name, spec, n, docs, passes in zip(self.names, self.mixture.sources, tokens, documents, epochs):
             share = n / max(1, tokens.sum())
