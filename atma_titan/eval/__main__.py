@@ -46,7 +46,14 @@ from atma_titan.utils.device import resolve_device
 from atma_titan.eval.common import EvalInputError, parse_sizes, size_label
 from atma_titan.eval.corpus import DocumentHaystack, FillerHaystack, LongDocuments, corpus_from_config
 from atma_titan.eval.length import length_curve, length_sequences
-from atma_titan.checkpoint.open import OpenCheckpoint, ResolvedCheckpoint, load_eval_model, open_checkpoint
+from atma_titan.checkpoint.open import (
+    OpenCheckpoint,
+    ResolvedCheckpoint,
+    load_eval_model,
+    open_checkpoint,
+    resolve_checkpoint,
+)
+from atma_titan.run.folder import complete_steps, is_complete
 from atma_titan.eval.needle import NEEDLE_SLACK, digit_tokens, run_needle
 from atma_titan.eval.records import run_records
 from atma_titan.eval.report import RESULT_UNITS, write_results
@@ -101,6 +108,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "instead of teacher-forced digits: digit and exact accuracy, no CE and no control; results say "
         'mode "generated"',
     )
+    p.add_argument(
+        "--generate-gaps",
+        help="also score the generated value (as --generate) at these gaps, after the teacher-forced needle at "
+        "--gaps: both readings in one results.json",
+    )
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="skip the teacher-forced needle's control (the same sequence without the needle): half the work, "
+        "no control CE",
+    )
+    p.add_argument(
+        "--steps",
+        help="evaluate the needle at each of these checkpoint steps of a run, e.g. 150,300 or 'all' (every complete "
+        "one): recall over training, in results.json's over_training; the length curve and the top-level numbers "
+        "are the last step's",
+    )
     p.add_argument("--allow-concat", action="store_true", help="join documents with EOT when none is long enough")
     p.add_argument("--no-needle", action="store_true", help="skip the needle (e.g. for a length curve only)")
     p.add_argument("--length-curve", action="store_true", help="also compute the NLL-vs-length curve")
@@ -130,6 +154,8 @@ class Request:
     lengths: list[int]  # [] without the length curve
     depths: list[float]
     records: bool = False  # the synthetic records needle, else the text needle
+    generate_gaps: list[int] = dataclasses.field(default_factory=list)  # also generated, after the teacher-forced
+    steps: list[int] | str | None = None  # --steps: the checkpoint steps to evaluate, "all", or None (one step)
 
 
 def _check_sizes(sizes: list[int], what: str, max_length: int) -> None:
@@ -155,9 +181,10 @@ def _depths(text: str) -> list[float]:
 def check_arguments(args: argparse.Namespace) -> Request:
     needle_on = not args.no_needle
     gaps = parse_sizes(args.gaps, "--gaps") if needle_on and args.gaps is not None else []
+    generate_gaps = parse_sizes(args.generate_gaps, "--generate-gaps") if args.generate_gaps else []
     lengths = sorted(set(parse_sizes(args.lengths, "--lengths"))) if args.length_curve else []
     depths = _depths(args.depths)
-    _check_sizes(gaps, "gap(s)", args.max_length)
+    _check_sizes(gaps + generate_gaps, "gap(s)", args.max_length)
     _check_sizes(lengths, "length(s)", args.max_length)
     if args.trials < 1 or args.documents < 1:
         raise EvalInputError("--trials and --documents must be >= 1")
@@ -171,7 +198,51 @@ def check_arguments(args: argparse.Namespace) -> Request:
         raise EvalInputError(f"--attention-block must be >= 1, got {args.attention_block}")
     if args.records and args.text_needle:
         raise EvalInputError("--records and --text-needle are two different needles: choose one")
-    return Request(gaps, lengths, depths, records=args.records)
+    if generate_gaps and (args.generate or not needle_on):
+        raise EvalInputError(
+            "--generate-gaps adds generated rows to the teacher-forced needle: drop --generate or --no-needle, "
+            "or --generate-gaps"
+        )
+    steps = _steps(args.steps, args.step, needle_on)
+    return Request(gaps, lengths, depths, records=args.records, generate_gaps=generate_gaps, steps=steps)
+
+
+def _steps(text: str | None, step: int | None, needle_on: bool) -> list[int] | str | None:
+    if text is None:
+        return None
+    if step is not None:
+        raise EvalInputError("--step is one checkpoint and --steps several: choose one")
+    if not needle_on:
+        raise EvalInputError("--steps evaluates the needle over training: drop --no-needle, or --steps")
+    if text.strip() == "all":
+        return "all"
+    try:
+        steps = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise EvalInputError(f"--steps {text!r}: expected checkpoint steps like 150,300,450 or 'all'") from None
+    if not steps or steps[0] < 0:
+        raise EvalInputError(f"--steps {text!r}: expected checkpoint steps >= 0 like 150,300,450 or 'all'")
+    return steps
+
+
+def checkpoint_steps(path: str, wanted: list[int] | str) -> tuple[Path, list[int]]:
+    """The checkpoint folder of the run at `path` and the complete steps of `wanted` ("all": every one)."""
+    if is_complete(Path(path)):
+        raise EvalInputError(f"--steps needs a run folder or its checkpoint folder; {path} is one step")
+    resolved = resolve_checkpoint(path)
+    if resolved.kind != "dcp":
+        raise EvalInputError(f"--steps reads a run's DCP checkpoints; {path} resolves to {resolved.path}")
+    folder = resolved.path.parent
+    have = complete_steps(folder)
+    if wanted == "all":
+        return folder, have
+    missing = [s for s in wanted if s not in have]
+    if missing:
+        raise EvalInputError(
+            f"--steps: no complete checkpoint for step(s) {', '.join(map(str, missing))} under {folder}; complete "
+            f"steps: {', '.join(map(str, have))}"
+        )
+    return folder, list(wanted)
 
 
 def choose_needle(args: argparse.Namespace, request: Request, cfg) -> tuple[Request, str | None]:
@@ -239,15 +310,26 @@ def _progress(line: str) -> None:
 
 
 def needle_section(args: argparse.Namespace, request: Request, inputs: Inputs, model) -> list[dict]:
-    """The records needle (synthetic-trained models) or the text needle over variants x depths x gaps."""
-    if not request.gaps:
+    """The needle's rows: at --gaps (teacher-forced, or generated with --generate), then generated at
+    --generate-gaps."""
+    rows = _needle(args, request, inputs, model, request.gaps, generate=args.generate)
+    return rows + _needle(args, request, inputs, model, request.generate_gaps, generate=True)
+
+
+def _needle(args, request: Request, inputs: Inputs, model, gaps: list[int], *, generate: bool) -> list[dict]:
+    """The records needle (synthetic-trained models) or the text needle over variants x depths x `gaps`."""
+    if not gaps:
         return []
-    gaps_text = ", ".join(map(size_label, request.gaps))
-    how = "generated, greedy free-running" if args.generate else "teacher-forced"
-    if args.generate and next(model.parameters()).device.type == "cuda":
+    gaps_text = ", ".join(map(size_label, gaps))
+    how = "generated, greedy free-running" if generate else "teacher-forced"
+    if generate and next(model.parameters()).device.type == "cuda":
         from atma_titan.inference import cast_for_inference
 
         cast_for_inference(model, torch.bfloat16)  # as the generate command does; autocast computes in bf16 anyway
+    common = dict(
+        depths=request.depths, trials=args.trials, seed=args.seed, batch_tokens=args.batch_tokens, progress=_progress,
+        generate=generate, control=not args.no_control,
+    )  # fmt: skip
     if request.records:
         source = SyntheticSource(
             inputs.model_args.vocab_size, eot_id=inputs.tokenizer.eot_id, seed=inputs.cfg.data.seed
@@ -257,18 +339,14 @@ def needle_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
             f"{args.trials} trials each",
             flush=True,
         )
-        results = run_records(
-            model, source, gaps=request.gaps, depths=request.depths, trials=args.trials, seed=args.seed,
-            batch_tokens=args.batch_tokens, progress=_progress, generate=args.generate,
-        )  # fmt: skip
-        return [r.as_dict() for r in results]
+        return [r.as_dict() for r in run_records(model, source, gaps=gaps, **common)]
     if args.haystack == "filler":
         haystack = FillerHaystack(inputs.tokenizer)
     else:
         docs = LongDocuments(
             inputs.corpus,
-            min_tokens=min(request.gaps) + NEEDLE_SLACK,
-            max_tokens=max(request.gaps) + NEEDLE_SLACK,
+            min_tokens=min(gaps) + NEEDLE_SLACK,
+            max_tokens=max(gaps) + NEEDLE_SLACK,
             allow_concat=args.allow_concat,
         )
         haystack = DocumentHaystack(docs)
@@ -278,11 +356,7 @@ def needle_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
         f"{args.trials} trials each, haystack: {haystack.describe}",
         flush=True,
     )
-    results = run_needle(
-        model, inputs.tokenizer, haystack, gaps=request.gaps, depths=request.depths, variants=variants,
-        trials=args.trials, seed=args.seed, batch_tokens=args.batch_tokens, progress=_progress,
-        generate=args.generate,
-    )  # fmt: skip
+    results = run_needle(model, inputs.tokenizer, haystack, gaps=gaps, variants=variants, **common)
     return [r.as_dict() for r in results]
 
 
@@ -304,20 +378,18 @@ def length_section(args: argparse.Namespace, request: Request, inputs: Inputs, m
 def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
     """Run the evaluation; returns (results in the results.json schema, output folder)."""
     request = check_arguments(args)
-    opened = open_checkpoint(args.checkpoint, args.step, args.config)
+    folder, steps = checkpoint_steps(args.checkpoint, request.steps) if request.steps else (args.checkpoint, [])
+    opened = open_checkpoint(folder, steps[-1] if steps else args.step, args.config)
     request, chosen = choose_needle(args, request, opened.cfg)
     if chosen:
         print(chosen, flush=True)
     inputs = open_inputs(args, request, opened)
     device = resolve_device(args.device, what="--device")
-    began = time.perf_counter()
-    model = load_eval_model(inputs.model_args, inputs.resolved, device)
-    params = sum(p.numel() for p in model.parameters())
-    print(
-        f"loaded {inputs.resolved.path} (step {inputs.resolved.step}): {params:,} parameters on {device} "
-        f"in {time.perf_counter() - began:.1f} s; tokenizer {inputs.tokenizer.name}",
-        flush=True,
-    )
+    over_training = []  # every step but the last, which is the results' own
+    for step in steps[:-1]:
+        earlier = _load(inputs, resolve_checkpoint(folder, step), device)
+        over_training.append({"step": step, "needle": needle_section(args, request, inputs, earlier)})
+    model = _load(inputs, inputs.resolved, device)
     resolved = inputs.resolved
     results = {
         "name": args.name or resolved.run_dir.resolve().name,
@@ -329,7 +401,21 @@ def evaluate(args: argparse.Namespace) -> tuple[dict, Path]:
         "needle": needle_section(args, request, inputs, model),
         "length_curve": length_section(args, request, inputs, model),
     }
+    if steps:
+        results["over_training"] = over_training + [{"step": resolved.step, "needle": results["needle"]}]
     return results, (Path(args.out) if args.out else resolved.run_dir / "eval")
+
+
+def _load(inputs: Inputs, resolved: ResolvedCheckpoint, device: torch.device):
+    began = time.perf_counter()
+    model = load_eval_model(inputs.model_args, resolved, device)
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"loaded {resolved.path} (step {resolved.step}): {params:,} parameters on {device} "
+        f"in {time.perf_counter() - began:.1f} s; tokenizer {inputs.tokenizer.name}",
+        flush=True,
+    )
+    return model
 
 
 @command

@@ -473,10 +473,12 @@ def run_needle(
     device: torch.device | None = None,
     progress: Callable[[str], None] | None = print,
     generate: bool = False,
+    control: bool = True,
 ) -> list[NeedleResult]:
     """Every (variant, depth, gap) condition, gaps innermost; one progress line per condition.
 
-    generate: the generated mode (see `evaluate_needle`), else teacher-forced with the control.
+    generate: the generated mode (see `evaluate_needle`), else teacher-forced with the control (unless not
+    `control`).
     """
     table = digit_tokens(tokenizer)  # fail before any model work on a tokenizer that splits digits
     results = []
@@ -498,6 +500,7 @@ def run_needle(
                     device=device,
                     digit_table=table,
                     generate=generate,
+                    control=control,
                 )
                 results.append(result)
                 if progress:

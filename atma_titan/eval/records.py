@@ -96,8 +96,10 @@ def evaluate_records(
     batch_tokens: int = 1 << 17,
     device: torch.device | None = None,
     generate: bool = False,
+    control: bool = True,
 ) -> NeedleResult:
-    """One (gap, depth): teacher-forced with the control, or (generate) the value generated free-running."""
+    """One (gap, depth): teacher-forced with the control (unless not `control`), or (generate) the value
+    generated free-running."""
     depth = float(depth or 0.0)
     if generate:
         return _generated(model, source, gap, depth, trials, seed, batch_tokens)
@@ -107,8 +109,10 @@ def evaluate_records(
     for start in range(0, trials, per_batch):
         batch = indices[start : start + per_batch]
         hit, ce = _score(model, [records_probe(source, i, gap, depth) for i in batch], device)
-        _, control = _score(model, [records_probe(source, i, gap, depth, with_needle=False) for i in batch], device)
-        hits.append(hit), ces.append(ce), control_ces.append(control)
+        hits.append(hit), ces.append(ce)
+        if control:
+            without = [records_probe(source, i, gap, depth, with_needle=False) for i in batch]
+            control_ces.append(_score(model, without, device)[1])
     hit = np.concatenate(hits)
     return NeedleResult(
         "records",
@@ -118,13 +122,13 @@ def evaluate_records(
         float(hit.mean()),
         float(hit.all(axis=1).mean()),
         float(np.concatenate(ces).mean()),
-        float(np.concatenate(control_ces).mean()),
+        float(np.concatenate(control_ces).mean()) if control else None,
     )
 
 
 def run_records(
     model, source, *, gaps, depths=(0.0,), trials, seed=0, batch_tokens=1 << 17, device=None, progress=print,
-    generate=False,
+    generate=False, control=True,
 ) -> list[NeedleResult]:  # fmt: skip
     """Every (depth, gap) condition, gaps innermost (as `run_needle`); one progress line per condition."""
     results = []
@@ -132,7 +136,7 @@ def run_records(
         for gap in gaps:
             result = evaluate_records(
                 model, source, gap, trials, depth=depth, seed=seed, batch_tokens=batch_tokens, device=device,
-                generate=generate,
+                generate=generate, control=control,
             )  # fmt: skip
             results.append(result)
             if progress:

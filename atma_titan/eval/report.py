@@ -8,7 +8,11 @@ results.json (read by the sweep collector; keep the schema)::
      "needle": [{"variant": "access" | "passkey" | "records", "gap": int, "depth": float, "trials": int,
                  "digit_acc": float, "exact_acc": float, "ce": float | null, "control_ce": float | null,
                  "mode": "teacher_forced" | "generated"}, ...],
-     "length_curve": {"lengths": [int], "nll": [float], "documents": int} | null}
+     "length_curve": {"lengths": [int], "nll": [float], "documents": int} | null,
+     "over_training": [{"step": int, "needle": [...as above...]}, ...]}  # only with eval --steps
+
+With --steps the top-level numbers are the last step's, and over_training holds the needle at every
+evaluated step, the last included.
 
 Accuracies stay fractions (0-1) in results.json, as machines read them; results.md, the plots and
 the progress lines show them in percent, one unit everywhere a person reads them.
@@ -33,6 +37,7 @@ __all__ = [
     "gap_header",
     "markdown_table",
     "needle_markdown",
+    "over_training_markdown",
     "plot_length_curves",
     "plot_needle",
     "results_markdown",
@@ -129,6 +134,28 @@ def needle_markdown(needle: list[dict], train_len: int | None = None) -> str:
     return "\n\n".join(sections)
 
 
+def over_training_markdown(over_training: list[dict], train_len: int | None = None) -> str:
+    """Exact recall (%) at each step (rows) for each condition and gap (columns)."""
+    columns = sorted(
+        {(_mode_of(e), e["variant"], float(e["depth"]), e["gap"]) for s in over_training for e in s["needle"]},
+        key=lambda c: (c[0] != TEACHER_FORCED, c[1], c[2], c[3]),
+    )
+    header = ["step"] + [
+        f"{gap_header(gap, train_len)} {depth_label(depth)}" + ("" if mode == TEACHER_FORCED else " generated")
+        + (f" {variant}" if variant not in ("records", "access") else "")
+        for mode, variant, depth, gap in columns
+    ]  # fmt: skip
+    rows = []
+    for entry in sorted(over_training, key=lambda s: s["step"]):
+        by = {(_mode_of(e), e["variant"], float(e["depth"]), e["gap"]): e for e in entry["needle"]}
+        rows.append([str(entry["step"])] + [percent(by[c]["exact_acc"]) if c in by else "" for c in columns])
+    return "## Exact recall (%) over training\n\n" + markdown_table(header, rows)
+
+
+def _mode_of(entry: dict) -> str:
+    return entry.get("mode") or TEACHER_FORCED
+
+
 def results_markdown(results: dict) -> str:
     train_len = results.get("train_seq_len")
     trained = f", trained at seq_len {train_len}" if train_len else ""
@@ -147,6 +174,8 @@ def results_markdown(results: dict) -> str:
             f"## Length curve: mean NLL per token on nested prefixes of {curve['documents']} documents",
             markdown_table(["length", "NLL (nats/token)"], rows),
         ]
+    if results.get("over_training"):
+        parts.append(over_training_markdown(results["over_training"], train_len))
     return "\n\n".join(parts) + "\n"
 
 

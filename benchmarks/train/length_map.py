@@ -1,0 +1,367 @@
+"""Where does length invariance hold? The sweeps behind docs/results.md's length map, and its report.
+
+    python benchmarks/train/length_map.py commands [--out sweeps/map] [--questions 1,2,3,5] [--jobs 12]
+    python benchmarks/train/length_map.py report --out sweeps/map --results REPORT_FOLDER
+
+`commands` prints the shell lines that train and evaluate every run, one line per sweep (its
+`atma_titan.sweep` command, then, where asked, the evaluation of every checkpoint of its runs); the lines are
+independent and may run at once; `report` reads the finished sweeps and writes
+length_map.md (one table per question: means over the training seeds with their range), length_map.json
+(every run's numbers), recall_vs_train_length.png and recall_over_training.png.
+
+Every sweep starts from the toy cell, train_configs/repro/polar_memory.toml (4.4M parameters, 4 blocks
+with one global, 1,500 steps of 8,192 tokens of the synthetic records at 128 tokens, AdamW 1e-3) and
+changes one thing; recall is the records needle, exact 5/5, at 1x, 8x and 32x the training length:
+
+1. training length: 128, 512 and 2,048 tokens (the same 8,192 tokens per step and steps), Polar and
+   softmax attention (both with the memory);
+2. depth and global blocks: 4 blocks all global, 16 blocks with one global (block 14) or four (2, 6, 10,
+   14), and the toy's depth at the 370M's width (d 1,024, 8 heads of 128, MLP 4,096) with the matrix
+   learning rate scaled by 256 / 1,024 (muP's rule for Adam on hidden matrices) or left at 1e-3;
+3. training time: recall at 1x and 32x at every tenth of the run for the toy at 128 and at 2,048 (the
+   runs of question 1), and at 2,048 with a lower peak learning rate (3e-4), a shorter run (500 steps)
+   or Polar's unit direction;
+5. documents apart: Polar and softmax, with and without data.document_mask, at 128.
+(Question 4, the 370M body, runs from train_configs/repro/atma_370m_polar_memory.toml: docs/results.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from atma_titan.eval.common import size_label  # noqa: E402
+
+TOY = "train_configs/repro/polar_memory.toml"
+TOY_BATCH = 8192  # tokens per step of every toy run
+TENTH = 150  # checkpoint interval: a tenth of the toy's 1,500 steps
+SEEDS = "0,1,2"
+MULTIPLES = (1, 8, 32)  # needle gaps, times the training length
+DEPTHS = (0.0, 0.5)
+STEPS_EVAL = "--records --depths 0 --trials 64 --no-control"  # recall over training: 1x and 32x, cheaper
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str  # its folder under --out
+    question: int
+    factors: tuple[str, ...]
+    sets: tuple[str, ...] = ()
+    seq_len: int = 128
+    over_training: str | None = None  # the runs (a cell-name prefix) whose every checkpoint is evaluated
+    final_eval: bool = True  # the full needle after training; else only recall over training
+    tenth: int = TENTH  # checkpoint interval, a tenth of the run
+
+    def fixed(self) -> list[str]:
+        n = self.seq_len
+        return [
+            f"training.seq_len={n}", f"training.micro_batch_size={TOY_BATCH // n}", "eval.interval=0",
+            f"checkpoint.interval={self.tenth}", *self.sets,
+        ]  # fmt: skip
+
+    def eval_args(self) -> str:
+        if not self.final_eval:
+            return self.steps_eval_args()
+        n = self.seq_len
+        gaps = ",".join(str(m * n) for m in MULTIPLES)
+        return f"--records --gaps {gaps} --depths 0,0.5 --trials 256 --no-control --generate-gaps {32 * n}" + (
+            " --length-curve --lengths 128,1K,4K --documents 16" if self.question == 5 else ""
+        )
+
+    def steps_eval_args(self) -> str:
+        return f"--steps all --gaps {self.seq_len},{32 * self.seq_len} {STEPS_EVAL}"
+
+
+WIDE = ("model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=128", "model.mlp_hidden=4096")
+LOW_LR = ("optimizer.embed_lr=0.0003", "optimizer.head_lr=0.0003", "optimizer.scalar_lr=0.0003")
+SWEEPS = (
+    Sweep("length-128", 1, ("model.attention=polar,softmax",), over_training="attention-polar"),
+    Sweep("length-512", 1, ("model.attention=polar,softmax",), seq_len=512),
+    Sweep("length-2048", 1, ("model.attention=polar,softmax",), seq_len=2048, over_training="attention-polar"),
+    Sweep("depth-4", 2, ("model.global_layers=all",)),
+    Sweep("depth-16", 2, ('model.global_layers="14","i%4==2"',), sets=("model.n_layers=16",)),
+    Sweep("width-1024", 2, ("optimizer.matrix_lr=0.00025,0.001",), sets=WIDE),
+    Sweep("time-2048-lr", 3, ("optimizer.matrix_lr=0.0003",), sets=LOW_LR, seq_len=2048, final_eval=False),
+    Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, tenth=50),
+    Sweep("time-2048-unit", 3, ("model.polar_direction=unit",), seq_len=2048, final_eval=False),
+    Sweep("documents-128", 5, ("model.attention=polar,softmax", "data.document_mask=false,true")),
+)
+
+
+def sweep_command(sweep: Sweep, out: str, jobs: int) -> str:
+    parts = ["python -m atma_titan.sweep run", f"--base {TOY}", f"--out {out}/{sweep.name}"]
+    parts += [f"--factor {shlex.quote(f)}" for f in sweep.factors] + [f"--set {s}" for s in sweep.fixed()]
+    parts += [f"--seeds {SEEDS}", f"--jobs {jobs}", f"--eval-args {shlex.quote(sweep.eval_args())}"]
+    return " ".join(parts)
+
+
+def steps_command(sweep: Sweep, out: str) -> str | None:
+    """The evaluation of every checkpoint of the sweep's `over_training` runs, into each run's eval_steps/."""
+    if not sweep.over_training or not sweep.final_eval:
+        return None
+    cells = f"{out}/{sweep.name}/cells/{sweep.over_training}_seed-*"
+    return (
+        f'for cell in {cells}; do python -m atma_titan.eval --checkpoint "$cell/run" {sweep.steps_eval_args()} '
+        f'--out "$cell/eval_steps"; done'
+    )
+
+
+def commands(out: str, questions: set[int], jobs: int) -> list[str]:
+    """One line per sweep: the sweep, then (where asked) the evaluation of its runs over training."""
+    lines = []
+    for sweep in (s for s in SWEEPS if s.question in questions):
+        steps = steps_command(sweep, out)
+        lines.append(sweep_command(sweep, out, jobs) + (f" && {steps}" if steps else ""))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def recall(needle: list[dict], train_len: int) -> dict[str, float]:
+    """'32x d0' / '32x d0.5 gen' -> exact recall in percent."""
+    out = {}
+    for row in needle:
+        mode = " gen" if row.get("mode") == "generated" else ""
+        out[f"{row['gap'] / train_len:g}x d{row['depth']:g}{mode}"] = 100 * row["exact_acc"]
+    return out
+
+
+def load_runs(out: Path) -> list[dict]:
+    """Every trained run of every sweep: its sweep, cell, seed, final training loss, and what was evaluated of it
+    (recall, NLL curve, recall over training; empty where its evaluation has not run)."""
+    runs = []
+    for sweep in SWEEPS:
+        plan = _read_json(out / sweep.name / "sweep.json")
+        for cell in (plan or {}).get("cells", []):
+            folder = out / sweep.name / "cells" / cell["name"]
+            if not (folder / "run" / "DONE").is_file():
+                continue
+            final = _read_json(folder / "eval" / "results.json") or {"needle": []}
+            train_len = sweep.seq_len
+            steps = _read_json(folder / "eval_steps" / "results.json") or final
+            logged = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+            last = [row for row in logged if "loss" in row][-1]
+            runs.append({
+                "sweep": sweep.name, "question": sweep.question, "cell": cell["group"], "seed": cell["seed"],
+                "train_len": train_len, "final_step": last["step"], "final_loss": last["loss"],
+                "recall": recall(final["needle"], train_len) if sweep.final_eval else {},
+                "nll": dict(zip(map(size_label, (final.get("length_curve") or {}).get("lengths", [])),
+                                (final.get("length_curve") or {}).get("nll", []))),
+                "over_training": [
+                    {"step": s["step"], "recall": recall(s["needle"], train_len)}
+                    for s in steps.get("over_training", [])
+                ],
+            })  # fmt: skip
+    return runs
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def groups(runs: list[dict], question: int) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        if run["question"] == question:
+            out.setdefault((run["sweep"], run["cell"]), []).append(run)
+    return out
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    if not rows:
+        return "No run of this question has been evaluated yet."
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def recall_table(runs: list[dict], question: int, nll: bool = False) -> str:
+    columns = [f"{m}x d{d:g}" for d in DEPTHS for m in MULTIPLES] + [f"32x d{d:g} gen" for d in DEPTHS]
+    header = ["sweep", "cell", "n"] + [c.replace(" d0.5", " 50%").replace(" d0", " 0") for c in columns]
+    nll_lengths = sorted({k for r in runs if r["question"] == question for k in r["nll"]}, key=_size) if nll else []
+    header += [f"NLL {k}" for k in nll_lengths]
+    rows = []
+    for (sweep, cell), all_members in groups(runs, question).items():
+        members = [r for r in all_members if r["recall"]]
+        if not members:
+            continue
+        row = [sweep, cell, str(len(members))]
+        row += [spread([r["recall"][c] for r in members if c in r["recall"]]) for c in columns]
+        row += [spread([r["nll"][k] for r in members if k in r["nll"]], 3) for k in nll_lengths]
+        rows.append(row)
+    return table(header, rows)
+
+
+def _size(label: str) -> int:
+    return int(float(label[:-1]) * 1024) if label.endswith("K") else int(label)
+
+
+def over_training_table(runs: list[dict], multiple: int) -> str:
+    """Exact recall (%) at `multiple` x, depth 0, at each tenth of the run (columns) per cell (rows)."""
+    header, rows = ["sweep", "cell", "n"] + [f"{10 * i}%" for i in range(1, 11)], []
+    for (sweep, cell), all_members in {**groups(runs, 3), **_over_training_groups(runs)}.items():
+        members = [r for r in all_members if r["over_training"]]
+        if not members:
+            continue
+        steps = [s["step"] for s in members[0]["over_training"]]
+        last = steps[-1]
+        by_tenth: dict[int, list[float]] = {}
+        for run in members:
+            for s in run["over_training"]:
+                value = s["recall"].get(f"{multiple}x d0")
+                if value is not None:
+                    by_tenth.setdefault(round(10 * s["step"] / last), []).append(value)
+        rows.append([sweep, cell, str(len(members))] + [spread(by_tenth.get(i, [])) for i in range(1, 11)])
+    return table(header, sorted(rows))
+
+
+def _over_training_groups(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    return {k: v for k, v in groups(runs, 1).items() if any(r["over_training"] for r in v)}
+
+
+def loss_table(runs: list[dict]) -> str:
+    """Every trained cell's final training loss (recall tokens weighted x100, so a model that has not learned
+    to recall sits near 40 and one that has near 2.7), mean over its seeds with the range."""
+    rows = []
+    for question in sorted({r["question"] for r in runs}):
+        for (sweep, cell), members in groups(runs, question).items():
+            steps = sorted({r["final_step"] for r in members})
+            rows.append([sweep, cell, str(len(members)), "/".join(map(str, steps)),
+                         spread([r["final_loss"] for r in members], 2)])  # fmt: skip
+    return table(["sweep", "cell", "n", "steps", "final training loss"], rows)
+
+
+def write_report(runs: list[dict], results: Path) -> list[Path]:
+    results.mkdir(parents=True, exist_ok=True)
+    sections = [
+        "# The length map: exact recall (%) of the records needle, mean over seeds (range)",
+        "Columns: gap as a multiple of the training length, needle depth (0: before the haystack, 50%: in "
+        "its middle); `gen`: the value generated free-running, else teacher-forced.",
+        "## Training: the final loss of every trained cell\n\n" + loss_table(runs),
+        "## 1. Training length\n\n" + recall_table(runs, 1),
+        "## 2. Depth, global blocks and width (at 128)\n\n" + recall_table(runs, 2),
+        "## 3. Recall over training, depth 0: 32x\n\n" + over_training_table(runs, 32),
+        "## 3. Recall over training, depth 0: 1x\n\n" + over_training_table(runs, 1),
+        "## 5. Documents apart (at 128)\n\n" + recall_table(runs, 5, nll=True),
+    ]
+    written = [results / "length_map.md", results / "length_map.json"]
+    written[0].write_text("\n\n".join(sections) + "\n")
+    written[1].write_text(json.dumps(runs, indent=1) + "\n")
+    return written + plot(runs, results)
+
+
+def plot(runs: list[dict], results: Path) -> list[Path]:
+    """The two figures, each drawn only when some run has its numbers."""
+    written = []
+    if any(r["recall"] for r in runs if r["question"] == 1):
+        written.append(plot_train_length(runs, results / "recall_vs_train_length.png"))
+    if any(r["over_training"] for r in runs):
+        written.append(plot_over_training(runs, results / "recall_over_training.png"))
+    return written
+
+
+def plot_train_length(runs: list[dict], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.6), layout="constrained")
+    ax = fig.subplots()
+    for i, attention in enumerate(("polar", "softmax")):
+        for key, style in (("32x d0", "-"), ("32x d0 gen", "--")):
+            points = []
+            for (_, cell), members in groups(runs, 1).items():
+                values = [r["recall"][key] for r in members if key in r["recall"]]
+                if cell == f"attention-{attention}" and values:
+                    points.append((members[0]["train_len"], statistics.fmean(values), min(values), max(values)))
+            points.sort()
+            if points:
+                x, y, lo, hi = zip(*points)
+                ax.errorbar(
+                    x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]], color=f"C{i}",
+                    linestyle=style, marker="o", capsize=3,
+                    label=f"{attention} + memory, {'generated' if 'gen' in key else 'teacher-forced'}",
+                )  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([128, 512, 2048], ["128", "512", "2K"])
+    ax.set_xlabel("training length (tokens); recall measured at 32x it")
+    ax.set_ylabel("exact recall at 32x (% of trials), depth 0")
+    ax.set_ylim(-3, 103)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title("Recall at 32x the training length (mean over seeds, range as bars)")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_over_training(runs: list[dict], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.8), layout="constrained")
+    ax = fig.subplots()
+    trained = {**groups(runs, 3), **_over_training_groups(runs)}
+    for i, ((sweep, cell), members) in enumerate(sorted(trained.items())):
+        for key, style in (("32x d0", "-"), ("1x d0", ":")):
+            steps = sorted({s["step"] for r in members for s in r["over_training"]})
+            if not steps:
+                continue
+            means = [
+                statistics.fmean(v) if (v := [s["recall"][key] for r in members for s in r["over_training"]
+                                              if s["step"] == step and key in s["recall"]]) else None
+                for step in steps
+            ]  # fmt: skip
+            label = f"{sweep} {cell} {key.split()[0]}"
+            ax.plot(steps, means, color=f"C{i % 10}", linestyle=style, marker="o", markersize=3, label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("exact recall (% of trials), depth 0")
+    ax.set_ylim(-3, 103)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="x-small", ncols=2)
+    ax.set_title("Recall over training: 32x (solid) and 1x (dotted), mean over seeds")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True)
+    c = sub.add_parser("commands", help="print the shell lines that train and evaluate every run")
+    c.add_argument("--out", default="sweeps/map")
+    c.add_argument("--questions", default="1,2,3,5", help="which questions' sweeps (1, 2, 3, 5)")
+    c.add_argument("--jobs", type=int, default=12, help="runs at once per sweep (the sweep's --jobs)")
+    r = sub.add_parser("report", help="the tables and plots of the finished sweeps")
+    r.add_argument("--out", default="sweeps/map")
+    r.add_argument("--results", required=True, help="folder for length_map.md, length_map.json and the plots")
+    args = p.parse_args(argv)
+    if args.verb == "commands":
+        questions = {int(q) for q in args.questions.split(",")}
+        unknown = questions - {s.question for s in SWEEPS}
+        if unknown:
+            p.error(f"--questions: no sweep answers question(s) {sorted(unknown)}; choose from 1, 2, 3, 5")
+        print("\n".join(commands(args.out, questions, args.jobs)))
+        return 0
+    runs = load_runs(Path(args.out))
+    if not runs:
+        p.error(f"--out {args.out}: no evaluated run of any length-map sweep")
+    for path in write_report(runs, Path(args.results)):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

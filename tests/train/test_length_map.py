@@ -1,0 +1,104 @@
+"""benchmarks/train/length_map.py: every sweep of the length map plans and its cells train a step; the
+printed commands; the report's tables and plots on hand-written results."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "train"))
+
+import length_map  # noqa: E402
+
+from atma_titan.config import load_config  # noqa: E402
+from atma_titan.sweep.plan import build_plan, config_argv, parse_plan_options  # noqa: E402
+from atma_titan.train import train  # noqa: E402
+
+
+def plan_of(sweep: length_map.Sweep):
+    base = str(ROOT / length_map.TOY)
+    return build_plan(parse_plan_options(base, list(sweep.factors), sweep.fixed(), sweep.eval_args(), seeds="0"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sweep", length_map.SWEEPS, ids=lambda s: s.name)
+def test_every_cell_of_every_sweep_trains_a_step(sweep, tmp_path):
+    plan = plan_of(sweep)
+    assert len(plan.cells) == len(set(c.group for c in plan.cells)) >= 1
+    for cell in plan.cells:
+        overrides = plan.fixed + list(cell.config_overrides)
+        cfg = load_config(config_argv(plan.base, overrides))
+        assert cfg.training.seq_len == sweep.seq_len and cfg.training.batch_tokens == length_map.TOY_BATCH
+        tiny = ["--training.steps", "1", "--training.batch_tokens", str(sweep.seq_len), "--training.micro_batch_size",
+                "1", "--checkpoint.enable", "false", "--metrics.stdout", "false", "--job.print_config", "false",
+                "--job.dump_folder", str(tmp_path / cell.name)]  # fmt: skip
+        last = train(load_config(config_argv(plan.base, overrides) + tiny))
+        assert last["step"] == 1 and last["loss"] == last["loss"]  # finite
+
+
+def test_commands_are_one_line_per_sweep_with_its_evaluations():
+    lines = length_map.commands("sweeps/map", {1, 2, 3, 5}, jobs=4)
+    assert len(lines) == len(length_map.SWEEPS)
+    by_name = {line.split("--out sweeps/map/")[1].split()[0]: line for line in lines}
+    first = shlex.split(by_name["length-2048"].split(" && ")[0])
+    assert first[:4] == ["python", "-m", "atma_titan.sweep", "run"] and "training.seq_len=2048" in first
+    eval_args = first[first.index("--eval-args") + 1]
+    assert "--gaps 2048,16384,65536" in eval_args and "--generate-gaps 65536" in eval_args
+    assert "--steps all --gaps 2048,65536" in by_name["length-2048"].split(" && ")[1]  # every checkpoint too
+    assert " && " not in by_name["length-512"] and "--steps all" in by_name["time-2048-unit"]
+    assert list(length_map.commands("m", {5}, 1)) == [by_name["documents-128"].replace("sweeps/map", "m")
+                                                      .replace("--jobs 4", "--jobs 1")]  # fmt: skip
+
+
+def _run(folder: Path, group: str, seed: int, train_len: int, exact: dict, steps: list[tuple[int, float]] = ()):
+    needle = [
+        {"variant": "records", "gap": int(g * train_len), "depth": d, "trials": 4, "digit_acc": v, "exact_acc": v,
+         "ce": None, "control_ce": None, "mode": mode}
+        for (g, d, mode), v in exact.items()
+    ]  # fmt: skip
+    cell = folder / "cells" / f"{group}_seed-{seed}"
+    (cell / "eval").mkdir(parents=True)
+    (cell / "run").mkdir()
+    (cell / "run" / "DONE").touch()
+    logged = [{"event": "start"}, {"step": 1500, "loss": 2.5 + seed}, {"event": "end"}]
+    (cell / "run" / "metrics.jsonl").write_text("\n".join(map(json.dumps, logged)) + "\n")
+    result = {"train_seq_len": train_len, "needle": needle, "length_curve": None}
+    if steps:
+        result["over_training"] = [
+            {"step": s, "needle": [dict(needle[0], gap=32 * train_len, exact_acc=v)]} for s, v in steps
+        ]
+    (cell / "eval" / "results.json").write_text(json.dumps(result))
+    return {"index": seed, "name": cell.name, "overrides": {}, "group": group, "seed": seed}
+
+
+def test_report_tables_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    sweeps = {s.name: s for s in length_map.SWEEPS}
+    cells = {name: [] for name in ("length-128", "length-2048", "time-2048-short")}
+    for seed, value in ((0, 0.9), (1, 0.7)):
+        exact = {(32, 0.0, "teacher_forced"): value, (32, 0.0, "generated"): value / 2, (1, 0.0, "teacher_forced"): 1.0}
+        cells["length-128"].append(_run(tmp_path / "length-128", "attention-polar", seed, 128, exact))
+        cells["length-2048"].append(_run(tmp_path / "length-2048", "attention-polar", seed, 2048, exact,
+                                         [(150, 0.5), (1500, value)]))  # fmt: skip
+        cells["time-2048-short"].append(_run(tmp_path / "time-2048-short", "steps-500", seed, 2048, exact,
+                                             [(50, 0.0), (500, 0.25)]))  # fmt: skip
+    for name, runs in cells.items():
+        (tmp_path / name / "sweep.json").write_text(json.dumps({"cells": runs}))
+    runs = length_map.load_runs(tmp_path)
+    assert {r["sweep"] for r in runs} == set(cells) and all(sweeps[r["sweep"]] for r in runs)
+    written = length_map.write_report(runs, tmp_path / "report")
+    md = written[0].read_text()
+    lengths = md[md.index("## 1. Training length") :].splitlines()
+    row = next(line for line in lengths if line.startswith("| length-128 | attention-polar |"))
+    assert "| 80.0 (70.0-90.0) |" in row and "| 40.0 (35.0-45.0) |" in row  # teacher and generated at 32x
+    over = md[md.index("over training, depth 0: 32x") :].split("\n\n")[1]
+    assert "| length-2048 | attention-polar | 2 | 50.0 (50.0-50.0) |" in over  # step 150 is the first tenth
+    assert "| time-2048-short | steps-500 | 2 | 0.0 (0.0-0.0) |" in over and "25.0 (25.0-25.0) |" in over
+    assert "| length-128 | attention-polar | 2 | 1500 | 3.00 (2.50-3.50) |" in md  # the final losses
+    assert [p.name for p in written[2:]] == ["recall_vs_train_length.png", "recall_over_training.png"]
+    assert all(p.stat().st_size > 0 for p in written)
