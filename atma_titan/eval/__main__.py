@@ -53,7 +53,7 @@ from atma_titan.checkpoint.open import (
     open_checkpoint,
     resolve_checkpoint,
 )
-from atma_titan.run.folder import complete_steps, is_complete
+from atma_titan.run.folder import COMPLETE_NAME, RunFolder, complete_steps, is_complete, step_dirs
 from atma_titan.eval.needle import NEEDLE_SLACK, digit_tokens, run_needle
 from atma_titan.eval.records import run_records
 from atma_titan.eval.report import RESULT_UNITS, write_results
@@ -226,14 +226,16 @@ def _steps(text: str | None, step: int | None, needle_on: bool) -> list[int] | s
 
 
 def checkpoint_steps(path: str, wanted: list[int] | str) -> tuple[Path, list[int]]:
-    """The checkpoint folder of the run at `path` and the complete steps of `wanted` ("all": every one)."""
-    if is_complete(Path(path)):
-        raise EvalInputError(f"--steps needs a run folder or its checkpoint folder; {path} is one step")
-    resolved = resolve_checkpoint(path)
-    if resolved.kind != "dcp":
-        raise EvalInputError(f"--steps reads a run's DCP checkpoints; {path} resolves to {resolved.path}")
-    folder = resolved.path.parent
+    """The checkpoint folder of the run at `path` and the complete steps of `wanted` ("all": every one).
+
+    Only lists the folder: each step is verified when it loads, not here as well."""
+    given = Path(path)
+    if given.is_file() or is_complete(given):
+        raise EvalInputError(f"--steps needs a run folder or its checkpoint folder; {path} is one checkpoint")
+    folder = given if step_dirs(given) else RunFolder.of(given).checkpoints
     have = complete_steps(folder)
+    if not have:
+        raise EvalInputError(f"--steps: no complete checkpoint (step-<n>/{COMPLETE_NAME}) under {folder}")
     if wanted == "all":
         return folder, have
     missing = [s for s in wanted if s not in have]

@@ -135,25 +135,22 @@ def needle_markdown(needle: list[dict], train_len: int | None = None) -> str:
 
 
 def over_training_markdown(over_training: list[dict], train_len: int | None = None) -> str:
-    """Exact recall (%) at each step (rows) for each condition and gap (columns)."""
-    columns = sorted(
-        {(_mode_of(e), e["variant"], float(e["depth"]), e["gap"]) for s in over_training for e in s["needle"]},
-        key=lambda c: (c[0] != TEACHER_FORCED, c[1], c[2], c[3]),
-    )
+    """Exact recall (%) at each step (rows) for each condition and gap (columns), in `conditions`' order."""
+    by_step = {
+        entry["step"]: {(*key, e["gap"]): e for key, rows in conditions(entry["needle"]).items() for e in rows}
+        for entry in over_training
+    }
+    columns = list(dict.fromkeys(c for cells in by_step.values() for c in cells))
     header = ["step"] + [
         f"{gap_header(gap, train_len)} {depth_label(depth)}" + ("" if mode == TEACHER_FORCED else " generated")
         + (f" {variant}" if variant not in ("records", "access") else "")
         for mode, variant, depth, gap in columns
     ]  # fmt: skip
-    rows = []
-    for entry in sorted(over_training, key=lambda s: s["step"]):
-        by = {(_mode_of(e), e["variant"], float(e["depth"]), e["gap"]): e for e in entry["needle"]}
-        rows.append([str(entry["step"])] + [percent(by[c]["exact_acc"]) if c in by else "" for c in columns])
+    rows = [
+        [str(step)] + [percent(cells[c]["exact_acc"]) if c in cells else "" for c in columns]
+        for step, cells in sorted(by_step.items())
+    ]
     return "## Exact recall (%) over training\n\n" + markdown_table(header, rows)
-
-
-def _mode_of(entry: dict) -> str:
-    return entry.get("mode") or TEACHER_FORCED
 
 
 def results_markdown(results: dict) -> str:

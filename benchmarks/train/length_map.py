@@ -37,7 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from atma_titan.eval.common import size_label  # noqa: E402
+from atma_titan.eval.common import parse_sizes, size_label  # noqa: E402
+from atma_titan.eval.report import markdown_table  # noqa: E402
+from atma_titan.sweep.seeds import Spread  # noqa: E402
 
 TOY = "train_configs/repro/polar_memory.toml"
 TOY_BATCH = 8192  # tokens per step of every toy run
@@ -169,12 +171,9 @@ def load_runs(out: Path) -> list[dict]:
 
 
 def spread(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    """'80.0 (70.0-90.0)': the mean over seeds and their range; '-' for none."""
+    found = Spread.of(values)
+    return "-" if found is None else found.text(f"{{:.{digits}f}}", found.n)
 
 
 def groups(runs: list[dict], question: int) -> dict[tuple[str, str], list[dict]]:
@@ -186,16 +185,14 @@ def groups(runs: list[dict], question: int) -> dict[tuple[str, str], list[dict]]
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    if not rows:
-        return "No run of this question has been evaluated yet."
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    return markdown_table(header, rows) if rows else "No run of this question has been evaluated yet."
 
 
 def recall_table(runs: list[dict], question: int, nll: bool = False) -> str:
     columns = [f"{m}x d{d:g}" for d in DEPTHS for m in MULTIPLES] + [f"32x d{d:g} gen" for d in DEPTHS]
     header = ["sweep", "cell", "n"] + [c.replace(" d0.5", " 50%").replace(" d0", " 0") for c in columns]
-    nll_lengths = sorted({k for r in runs if r["question"] == question for k in r["nll"]}, key=_size) if nll else []
+    measured = {k for r in runs if r["question"] == question for k in r["nll"]} if nll else set()
+    nll_lengths = sorted(measured, key=lambda k: parse_sizes(k)[0])
     header += [f"NLL {k}" for k in nll_lengths]
     rows = []
     for (sweep, cell), all_members in groups(runs, question).items():
@@ -207,10 +204,6 @@ def recall_table(runs: list[dict], question: int, nll: bool = False) -> str:
         row += [spread([r["nll"][k] for r in members if k in r["nll"]], 3) for k in nll_lengths]
         rows.append(row)
     return table(header, rows)
-
-
-def _size(label: str) -> int:
-    return int(float(label[:-1]) * 1024) if label.endswith("K") else int(label)
 
 
 def over_training_table(runs: list[dict], multiple: int) -> str:

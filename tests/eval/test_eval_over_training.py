@@ -71,4 +71,4 @@ def test_bad_steps_and_generate_gaps_exit_2_naming_the_problem(run_dir, tmp_path
 def test_steps_refuse_a_single_step_folder(run_dir, tmp_path, capsys):
     one = run_dir / "checkpoints" / "step-2"
     assert eval_main(["--checkpoint", str(one), "--steps", "all", "--out", str(tmp_path), *NEEDLE]) == 2
-    assert "--steps needs a run folder or its checkpoint folder" in capsys.readouterr().err
+    assert "--steps needs a run folder or its checkpoint folder; " in capsys.readouterr().err
