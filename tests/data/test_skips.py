@@ -14,6 +14,7 @@ from atma_titan.data import SyntheticSource
 from atma_titan.data.loader import RankBatches, build_dataloader
 from atma_titan.data.mixture_data import open_train_data
 from atma_titan.data.skips import SkipState, StreamSkips, skip_pairs
+from mixture_tables import two_sources
 
 SOURCE = SyntheticSource(vocab_size=128, seed=5)
 
@@ -151,24 +152,7 @@ steps = 12
 
 [data]
 seed = 3
-
-[[data.sources]]
-name = "a"
-source = "synthetic"
-weight = 2
-seed = 1
-
-[[data.sources]]
-name = "b"
-source = "synthetic"
-weight = 1
-seed = 2
-
-[[data.stages]]
-name = "late"
-start_step = 5
-weights = { a = 1, b = 3 }
-"""
+""" + two_sources(late_step=5)
 
 
 def mixture_rows(cfg, rank: int, world: int, start: int, count: int, skips=None) -> list[tuple[int, list[int]]]:

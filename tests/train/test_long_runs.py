@@ -20,6 +20,7 @@ from atma_titan.config import load_config
 from atma_titan.data.build import build_source
 from atma_titan.models import resolve_model_args
 from distributed_utils import ROOT, TINY
+from mixture_tables import two_sources
 from record_batches import recording
 
 pytestmark = pytest.mark.slow
@@ -159,24 +160,7 @@ interval = 100
 [data]
 tokenizer = "byte"
 seed = 7
-
-[[data.sources]]
-name = "a"
-source = "synthetic"
-weight = 2
-seed = 1
-
-[[data.sources]]
-name = "b"
-source = "synthetic"
-weight = 1
-seed = 2
-
-[[data.stages]]
-name = "late"
-start_step = 4
-weights = {{ a = 1, b = 3 }}
-"""
+""" + two_sources(late_step=4)
 
 
 def data_args(kind: str, tmp_path: Path) -> list[str]:

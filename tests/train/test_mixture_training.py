@@ -23,6 +23,7 @@ from atma_titan.data.shards import BinShards, write_shard
 from atma_titan.data.tokenizer import build_tokenizer
 from atma_titan.train import train
 from distributed_utils import ROOT, losses, run_trainer
+from mixture_tables import source, stage
 
 EOT = build_tokenizer("byte").eot_id
 VOCAB = 512  # the debug flavor's
@@ -55,16 +56,6 @@ interval = 100
 tokenizer = "byte"
 seed = 7
 """
-
-
-def source(name: str, kind: str, weight, **extra) -> str:
-    lines = [f'name = "{name}"', f'source = "{kind}"', f"weight = {weight}"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
-    return "\n[[data.sources]]\n" + "\n".join(lines) + "\n"
-
-
-def stage(name: str, start_step: int, weights: str) -> str:
-    return f'\n[[data.stages]]\nname = "{name}"\nstart_step = {start_step}\nweights = {{ {weights} }}\n'
 
 
 def config_text(steps: int, *tables: str, extra: str = "") -> str:
