@@ -131,6 +131,19 @@ def _row_doc_starts(doc_base, q_pos, Tk):
 
 
 @triton.jit
+def _row_documents(doc_base, q_pos, Tk, window, DOCUMENTS: tl.constexpr):
+    """Each query row's first visible position (its doc_start; q_pos, unread, without DOCUMENTS) and its
+    visible key count n."""
+    if DOCUMENTS:
+        row_first = _row_doc_starts(doc_base, q_pos, Tk)
+        n = _visible_counts(q_pos - row_first, window)
+    else:
+        row_first = q_pos
+        n = _visible_counts(q_pos, window)
+    return row_first, n
+
+
+@triton.jit
 def _visibility(q_pos, k_pos, window):
     """(M, N) bool from (M, 1) query and (1, N) key positions: causal, optionally windowed."""
     vis = k_pos <= q_pos
@@ -397,12 +410,7 @@ def polar_fwd_kernel(
     q = _load_tile(_tile(Q + b * stride_qb + h * stride_qh, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM), True)
     sp_alpha = tl.load(SP_ALPHA + h)
     doc_base = DOC_START + b * Tk
-    if DOCUMENTS:
-        row_first = _row_doc_starts(doc_base, q_pos, Tk)
-        n = _visible_counts(q_pos - row_first, window)
-    else:
-        row_first = q_pos  # unread
-        n = _visible_counts(q_pos, window)
+    row_first, n = _row_documents(doc_base, q_pos, Tk, window, DOCUMENTS)
     temp = 1.0 + sp_alpha * tl.log(n)
     row_scale = temp * (sm_scale * LOG2E)
 
@@ -530,10 +538,7 @@ def polar_bwd_preamble_kernel(
     s_norm = tl.load(SNORM + stats, mask=row_ok, other=1.0)
 
     q_pos = Tk - Tq + offs_m
-    if DOCUMENTS:
-        n = _visible_counts(q_pos - _row_doc_starts(DOC_START + b * Tk, q_pos, Tk), window)
-    else:
-        n = _visible_counts(q_pos, window)
+    _, n = _row_documents(DOC_START + b * Tk, q_pos, Tk, window, DOCUMENTS)
     temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(n)
     null_logit = temp * (tl.load(NULL_BASE + h) + tl.load(SP_GAMMA + h) * tl.sqrt(tl.log(1.0 + n)))
     keep = sigmoid(lse - null_logit)
@@ -686,12 +691,7 @@ def polar_bwd_dq_kernel(
     dp_const = tl.load(DPC + stats, mask=row_ok, other=0.0)
     g_q2 = tl.load(GQ2 + stats, mask=row_ok, other=0.0)
     doc_base = DOC_START + b * Tk
-    if DOCUMENTS:
-        row_first = _row_doc_starts(doc_base, q_pos, Tk)
-        n = _visible_counts(q_pos - row_first, window)
-    else:
-        row_first = q_pos  # unread
-        n = _visible_counts(q_pos, window)
+    row_first, n = _row_documents(doc_base, q_pos, Tk, window, DOCUMENTS)
     temp = 1.0 + tl.load(SP_ALPHA + h) * tl.log(n)
     row_scale = temp * (sm_scale * LOG2E)
 
