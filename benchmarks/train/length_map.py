@@ -47,7 +47,8 @@ TENTH = 150  # checkpoint interval: a tenth of the toy's 1,500 steps
 SEEDS = "0,1,2"
 MULTIPLES = (1, 8, 32)  # needle gaps, times the training length
 DEPTHS = (0.0, 0.5)
-STEPS_EVAL = "--records --depths 0 --trials 64 --no-control"  # recall over training: 1x and 32x, cheaper
+TRIALS = 128  # per gap and depth: 256 per gap over the two depths
+STEPS_EVAL = "--records --depths 0 --trials 32 --no-control"  # recall over training: 1x and 32x, cheaper
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,12 @@ class Sweep:
 
     def fixed(self) -> list[str]:
         n = self.seq_len
+        # A checkpoint at every tenth only where recall over training reads them; else the last alone (the
+        # 1,024-wide cells' ten checkpoints are 40 GB a sweep).
+        interval = self.tenth if self.over_training or not self.final_eval else 10 * self.tenth
         return [
             f"training.seq_len={n}", f"training.micro_batch_size={TOY_BATCH // n}", "eval.interval=0",
-            f"checkpoint.interval={self.tenth}", *self.sets,
+            f"checkpoint.interval={interval}", *self.sets,
         ]  # fmt: skip
 
     def eval_args(self) -> str:
@@ -73,7 +77,7 @@ class Sweep:
             return self.steps_eval_args()
         n = self.seq_len
         gaps = ",".join(str(m * n) for m in MULTIPLES)
-        return f"--records --gaps {gaps} --depths 0,0.5 --trials 256 --no-control --generate-gaps {32 * n}" + (
+        return f"--records --gaps {gaps} --depths 0,0.5 --trials {TRIALS} --no-control --generate-gaps {32 * n}" + (
             " --length-curve --lengths 128,1K,4K --documents 16" if self.question == 5 else ""
         )
 
@@ -105,13 +109,14 @@ def sweep_command(sweep: Sweep, out: str, jobs: int) -> str:
 
 
 def steps_command(sweep: Sweep, out: str) -> str | None:
-    """The evaluation of every checkpoint of the sweep's `over_training` runs, into each run's eval_steps/."""
+    """The evaluation of every checkpoint of the sweep's `over_training` runs, into each run's eval_steps/ (the
+    runs at once)."""
     if not sweep.over_training or not sweep.final_eval:
         return None
     cells = f"{out}/{sweep.name}/cells/{sweep.over_training}_seed-*"
     return (
         f'for cell in {cells}; do python -m atma_titan.eval --checkpoint "$cell/run" {sweep.steps_eval_args()} '
-        f'--out "$cell/eval_steps"; done'
+        f'--out "$cell/eval_steps" & done; wait'
     )
 
 

@@ -51,6 +51,11 @@ def test_commands_are_one_line_per_sweep_with_its_evaluations():
     assert "--gaps 2048,16384,65536" in eval_args and "--generate-gaps 65536" in eval_args
     assert "--steps all --gaps 2048,65536" in by_name["length-2048"].split(" && ")[1]  # every checkpoint too
     assert " && " not in by_name["length-512"] and "--steps all" in by_name["time-2048-unit"]
+    assert by_name["length-2048"].endswith("& done; wait")  # the runs' checkpoints evaluated at once
+    # a checkpoint at every tenth only where recall over training reads them, else the last alone
+    assert "checkpoint.interval=150" in by_name["length-2048"]
+    assert "checkpoint.interval=50" in by_name["time-2048-short"]
+    assert "checkpoint.interval=1500" in by_name["length-512"] and "checkpoint.interval=1500" in by_name["width-1024"]
     assert list(length_map.commands("m", {5}, 1)) == [by_name["documents-128"].replace("sweeps/map", "m")
                                                       .replace("--jobs 4", "--jobs 1")]  # fmt: skip
 
