@@ -38,6 +38,9 @@ def pytest_configure(config: pytest.Config) -> None:
             + how_to_run
         )
     hide_the_gpu_and_use_one_thread()
+    broken = interpreter_cannot_index()
+    if broken:
+        raise pytest.UsageError(broken)
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):
@@ -84,3 +87,28 @@ def hide_the_gpu_and_use_one_thread() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["OMP_NUM_THREADS"] = "1"  # for the processes the cases start (torch.compile's workers)
     torch.set_num_threads(1)
+
+
+def interpreter_cannot_index() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels, or None. Older interpreters (3.6, say) keep a
+    program id as a one-element array and take it as a Python int through int(array), which NumPy 2.4
+    refuses: every kernel whose loop bounds come from its program id then fails inside the interpreter."""
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _loop_from_program_id(x):
+        pid = tl.program_id(0)
+        for i in range(pid, pid + 1):
+            tl.store(x + i, i)
+
+    try:
+        _loop_from_program_id[(1,)](torch.zeros(1, dtype=torch.int32))
+    except Exception as e:  # noqa: BLE001 (any failure here is the environment's, reported as such)
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run these kernels with NumPy {np.__version__} "
+            f"(a program id used as a loop bound: {e!r}); install a newer Triton (3.9 works)"
+        )
+    return None
