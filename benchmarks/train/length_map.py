@@ -17,12 +17,15 @@ changes one thing; recall is the records needle, exact 5/5, at 1x, 8x and 32x th
    softmax attention (both with the memory);
 2. depth and global blocks: 4 blocks all global, 16 blocks with one global (block 14) or four (2, 6, 10,
    14), and the toy's depth at the 370M's width (d 1,024, 8 heads of 128, MLP 4,096) with the matrix
-   learning rate scaled by 256 / 1,024 (muP's rule for Adam on hidden matrices) or left at 1e-3;
+   learning rate scaled by 256 / 1,024 (muP's rule for Adam on hidden matrices);
 3. training time: recall at 1x and 32x at every tenth of the run for the toy at 128 and at 2,048 (the
    runs of question 1), and at 2,048 with a lower peak learning rate (3e-4), a shorter run (500 steps)
-   or Polar's unit direction;
+   or Polar's unit direction; and at 1x, 4x and 32x at every fifth of the run for the 370M body
+   (train_configs/repro/atma_370m_polar_memory.toml, 4.5 GB a checkpoint);
 5. documents apart: Polar and softmax, with and without data.document_mask, at 128.
-(Question 4, the 370M body, runs from train_configs/repro/atma_370m_polar_memory.toml: docs/results.md.)
+(Question 4, the 370M body changed along what 1-3 point to: docs/results.md.)
+
+`report --previous` adds the runs of earlier reports' length_map.json that --out does not hold again.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from atma_titan.eval.report import markdown_table  # noqa: E402
 from atma_titan.sweep.seeds import Spread  # noqa: E402
 
 TOY = "train_configs/repro/polar_memory.toml"
+BODY_370M = "train_configs/repro/atma_370m_polar_memory.toml"
 TOY_BATCH = 8192  # tokens per step of every toy run
 TENTH = 150  # checkpoint interval: a tenth of the toy's 1,500 steps
 SEEDS = "0,1,2"
@@ -60,17 +64,20 @@ class Sweep:
     seq_len: int = 128
     over_training: str | None = None  # the runs (a cell-name prefix) whose every checkpoint is evaluated
     final_eval: bool = True  # the full needle after training; else only recall over training
-    tenth: int = TENTH  # checkpoint interval, a tenth of the run
+    tenth: int = TENTH  # checkpoint interval where recall over training is read: a tenth of the run
+    base: str = TOY
+    steps_multiples: tuple[int, ...] = (1, 32)  # the gaps of recall over training, times the training length
+    seeds: str = SEEDS
 
     def fixed(self) -> list[str]:
-        n = self.seq_len
         # A checkpoint at every tenth only where recall over training reads them; else the last alone (the
         # 1,024-wide cells' ten checkpoints are 40 GB a sweep).
         interval = self.tenth if self.over_training or not self.final_eval else 10 * self.tenth
-        return [
-            f"training.seq_len={n}", f"training.micro_batch_size={TOY_BATCH // n}", "eval.interval=0",
-            f"checkpoint.interval={interval}", *self.sets,
-        ]  # fmt: skip
+        common = ["eval.interval=0", f"checkpoint.interval={interval}", "checkpoint.keep_latest_k=0", *self.sets]
+        if self.base != TOY:  # the config's own length and batch
+            return common
+        n = self.seq_len
+        return [f"training.seq_len={n}", f"training.micro_batch_size={TOY_BATCH // n}", *common]
 
     def eval_args(self) -> str:
         if not self.final_eval:
@@ -82,7 +89,8 @@ class Sweep:
         )
 
     def steps_eval_args(self) -> str:
-        return f"--steps all --gaps {self.seq_len},{32 * self.seq_len} {STEPS_EVAL}"
+        gaps = ",".join(str(m * self.seq_len) for m in self.steps_multiples)
+        return f"--steps all --gaps {gaps} {STEPS_EVAL}"
 
 
 WIDE = ("model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=128", "model.mlp_hidden=4096")
@@ -93,18 +101,30 @@ SWEEPS = (
     Sweep("length-2048", 1, ("model.attention=polar,softmax",), seq_len=2048, over_training="attention-polar"),
     Sweep("depth-4", 2, ("model.global_layers=all",)),
     Sweep("depth-16", 2, ('model.global_layers="14","i%4==2"',), sets=("model.n_layers=16",)),
-    Sweep("width-1024", 2, ("optimizer.matrix_lr=0.00025,0.001",), sets=WIDE),
+    Sweep("width-1024", 2, ("optimizer.matrix_lr=0.00025",), sets=WIDE),
     Sweep("time-2048-lr", 3, ("optimizer.matrix_lr=0.0003",), sets=LOW_LR, seq_len=2048, final_eval=False),
     Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, tenth=50),
     Sweep("time-2048-unit", 3, ("model.polar_direction=unit",), seq_len=2048, final_eval=False),
+    # 763 steps: a checkpoint at every fifth, 153 steps (ten would be 45 GB).
+    Sweep(
+        "time-370m",
+        3,
+        ("model.attention=polar",),
+        seq_len=2048,
+        final_eval=False,
+        tenth=153,
+        base=BODY_370M,
+        steps_multiples=(1, 4, 32),
+        seeds="0",
+    ),
     Sweep("documents-128", 5, ("model.attention=polar,softmax", "data.document_mask=false,true")),
 )
 
 
 def sweep_command(sweep: Sweep, out: str, jobs: int) -> str:
-    parts = ["python -m atma_titan.sweep run", f"--base {TOY}", f"--out {out}/{sweep.name}"]
+    parts = ["python -m atma_titan.sweep run", f"--base {sweep.base}", f"--out {out}/{sweep.name}"]
     parts += [f"--factor {shlex.quote(f)}" for f in sweep.factors] + [f"--set {s}" for s in sweep.fixed()]
-    parts += [f"--seeds {SEEDS}", f"--jobs {jobs}", f"--eval-args {shlex.quote(sweep.eval_args())}"]
+    parts += [f"--seeds {sweep.seeds}", f"--jobs {jobs}", f"--eval-args {shlex.quote(sweep.eval_args())}"]
     return " ".join(parts)
 
 
@@ -173,6 +193,22 @@ def load_runs(out: Path) -> list[dict]:
                 ],
             })  # fmt: skip
     return runs
+
+
+def with_previous(runs: list[dict], previous: list[Path]) -> list[dict]:
+    """`runs` and, after them, the runs of earlier reports (newest first) whose sweep, cell and seed no later
+    report or run holds: a sweep trained again replaces its earlier runs one by one."""
+    seen = {(r["sweep"], r["cell"], r["seed"]) for r in runs}
+    out = list(runs)
+    for path in previous:
+        if not path.is_file():
+            raise SystemExit(f"length_map.py report: --previous {path}: no such file (an earlier length_map.json)")
+        for run in json.loads(path.read_text()):
+            key = (run["sweep"], run["cell"], run["seed"])
+            if key not in seen:
+                seen.add(key)
+                out.append(run)
+    return out
 
 
 def spread(values: list[float], digits: int = 1) -> str:
@@ -256,6 +292,7 @@ def write_report(runs: list[dict], results: Path) -> list[Path]:
         "## 1. Training length\n\n" + recall_table(runs, 1),
         "## 2. Depth, global blocks and width (at 128)\n\n" + recall_table(runs, 2),
         "## 3. Recall over training, depth 0: 32x\n\n" + over_training_table(runs, 32),
+        "## 3. Recall over training, depth 0: 4x (the 370M body)\n\n" + over_training_table(runs, 4),
         "## 3. Recall over training, depth 0: 1x\n\n" + over_training_table(runs, 1),
         "## 5. Documents apart (at 128)\n\n" + recall_table(runs, 5, nll=True),
     ]
@@ -345,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="the tables and plots of the finished sweeps")
     r.add_argument("--out", default="sweeps/map")
     r.add_argument("--results", required=True, help="folder for length_map.md, length_map.json and the plots")
+    r.add_argument(
+        "--previous",
+        nargs="*",
+        default=[],
+        metavar="JSON",
+        help="earlier reports' length_map.json: their runs that --out does not hold again are kept",
+    )
     args = p.parse_args(argv)
     if args.verb == "commands":
         questions = {int(q) for q in args.questions.split(",")}
@@ -353,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--questions: no sweep answers question(s) {sorted(unknown)}; choose from 1, 2, 3, 5")
         print("\n".join(commands(args.out, questions, args.jobs)))
         return 0
-    runs = load_runs(Path(args.out))
+    runs = with_previous(load_runs(Path(args.out)), [Path(p) for p in args.previous])
     if not runs:
         p.error(f"--out {args.out}: no evaluated run of any length-map sweep")
     for path in write_report(runs, Path(args.results)):

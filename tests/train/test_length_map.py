@@ -21,7 +21,7 @@ from atma_titan.train import train  # noqa: E402
 
 
 def plan_of(sweep: length_map.Sweep):
-    base = str(ROOT / length_map.TOY)
+    base = str(ROOT / sweep.base)
     return build_plan(parse_plan_options(base, list(sweep.factors), sweep.fixed(), sweep.eval_args(), seeds="0"))
 
 
@@ -33,10 +33,14 @@ def test_every_cell_of_every_sweep_trains_a_step(sweep, tmp_path):
     for cell in plan.cells:
         overrides = plan.fixed + list(cell.config_overrides)
         cfg = load_config(config_argv(plan.base, overrides))
-        assert cfg.training.seq_len == sweep.seq_len and cfg.training.batch_tokens == length_map.TOY_BATCH
+        assert cfg.training.seq_len == sweep.seq_len and cfg.checkpoint.keep_latest_k == 0
+        assert sweep.base != length_map.TOY or cfg.training.batch_tokens == length_map.TOY_BATCH
         tiny = ["--training.steps", "1", "--training.batch_tokens", str(sweep.seq_len), "--training.micro_batch_size",
                 "1", "--checkpoint.enable", "false", "--metrics.stdout", "false", "--job.print_config", "false",
                 "--job.dump_folder", str(tmp_path / cell.name)]  # fmt: skip
+        if sweep.base != length_map.TOY:  # the 370M's blocks, narrowed: a step of them is minutes on a CPU
+            tiny += ["--model.d_model", "64", "--model.head_dim", "16", "--model.mlp_hidden", "128",
+                     "--training.compile", "false"]  # fmt: skip
         last = train(load_config(config_argv(plan.base, overrides) + tiny))
         assert last["step"] == 1 and last["loss"] == last["loss"]  # finite
 
@@ -56,6 +60,11 @@ def test_commands_are_one_line_per_sweep_with_its_evaluations():
     assert "checkpoint.interval=150" in by_name["length-2048"]
     assert "checkpoint.interval=50" in by_name["time-2048-short"]
     assert "checkpoint.interval=1500" in by_name["length-512"] and "checkpoint.interval=1500" in by_name["width-1024"]
+    body = shlex.split(by_name["time-370m"])
+    assert body[body.index("--base") + 1] == length_map.BODY_370M and "training.seq_len=2048" not in body
+    assert "checkpoint.interval=153" in body and body[body.index("--seeds") + 1] == "0"  # every fifth of 763 steps
+    assert "--steps all --gaps 2048,8192,65536" in body[body.index("--eval-args") + 1]
+    assert "optimizer.matrix_lr=0.00025" in by_name["width-1024"]  # 1e-3 x 256 / 1,024
     assert list(length_map.commands("m", {5}, 1)) == [by_name["documents-128"].replace("sweeps/map", "m")
                                                       .replace("--jobs 4", "--jobs 1")]  # fmt: skip
 
@@ -107,3 +116,14 @@ def test_report_tables_and_plots(tmp_path):
     assert "| length-128 | attention-polar | 2 | 1500 | 3.00 (2.50-3.50) |" in md  # the final losses
     assert [p.name for p in written[2:]] == ["recall_vs_train_length.png", "recall_over_training.png"]
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_report_keeps_earlier_runs_that_no_later_sweep_holds(tmp_path):
+    run = {"sweep": "length-128", "cell": "attention-polar", "seed": 0, "recall": {"32x d0": 1.0}}
+    earlier = tmp_path / "length_map.json"
+    earlier.write_text(json.dumps([run, dict(run, seed=1)]))
+    again = dict(run, recall={"32x d0": 2.0})
+    merged = length_map.with_previous([again], [earlier])
+    assert merged == [again, dict(run, seed=1)]  # seed 0 trained again replaces the earlier one
+    with pytest.raises(SystemExit, match="no such file"):
+        length_map.with_previous([], [tmp_path / "missing.json"])
