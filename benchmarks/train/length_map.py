@@ -64,7 +64,7 @@ class Sweep:
     seq_len: int = 128
     over_training: str | None = None  # the runs (a cell-name prefix) whose every checkpoint is evaluated
     final_eval: bool = True  # the full needle after training; else only recall over training
-    tenth: int = TENTH  # checkpoint interval where recall over training is read: a tenth of the run
+    every: int = TENTH  # checkpoint interval where recall over training is read (a tenth of the toy's run)
     base: str = TOY
     steps_multiples: tuple[int, ...] = (1, 32)  # the gaps of recall over training, times the training length
     seeds: str = SEEDS
@@ -72,7 +72,7 @@ class Sweep:
     def fixed(self) -> list[str]:
         # A checkpoint at every tenth only where recall over training reads them; else the last alone (the
         # 1,024-wide cells' ten checkpoints are 40 GB a sweep).
-        interval = self.tenth if self.over_training or not self.final_eval else 10 * self.tenth
+        interval = self.every if self.over_training or not self.final_eval else 10 * self.every
         common = ["eval.interval=0", f"checkpoint.interval={interval}", "checkpoint.keep_latest_k=0", *self.sets]
         if self.base != TOY:  # the config's own length and batch
             return common
@@ -103,7 +103,7 @@ SWEEPS = (
     Sweep("depth-16", 2, ('model.global_layers="14","i%4==2"',), sets=("model.n_layers=16",)),
     Sweep("width-1024", 2, ("optimizer.matrix_lr=0.00025",), sets=WIDE),
     Sweep("time-2048-lr", 3, ("optimizer.matrix_lr=0.0003",), sets=LOW_LR, seq_len=2048, final_eval=False),
-    Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, tenth=50),
+    Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, every=50),
     Sweep("time-2048-unit", 3, ("model.polar_direction=unit",), seq_len=2048, final_eval=False),
     # 763 steps: a checkpoint at every fifth, 153 steps (ten would be 45 GB).
     Sweep(
@@ -112,7 +112,7 @@ SWEEPS = (
         ("model.attention=polar",),
         seq_len=2048,
         final_eval=False,
-        tenth=153,
+        every=153,
         base=BODY_370M,
         steps_multiples=(1, 4, 32),
         seeds="0",
@@ -201,8 +201,6 @@ def with_previous(runs: list[dict], previous: list[Path]) -> list[dict]:
     seen = {(r["sweep"], r["cell"], r["seed"]) for r in runs}
     out = list(runs)
     for path in previous:
-        if not path.is_file():
-            raise SystemExit(f"length_map.py report: --previous {path}: no such file (an earlier length_map.json)")
         for run in json.loads(path.read_text()):
             key = (run["sweep"], run["cell"], run["seed"])
             if key not in seen:
@@ -262,7 +260,8 @@ def over_training_table(runs: list[dict], multiple: int) -> str:
                 value = s["recall"].get(f"{multiple}x d0")
                 if value is not None:
                     by_tenth.setdefault(round(10 * s["step"] / last), []).append(value)
-        rows.append([sweep, cell, str(len(members))] + [spread(by_tenth.get(i, [])) for i in range(1, 11)])
+        if by_tenth:  # a cell not measured at this multiple has no row
+            rows.append([sweep, cell, str(len(members))] + [spread(by_tenth.get(i, [])) for i in range(1, 11)])
     return table(header, sorted(rows))
 
 
@@ -397,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--questions: no sweep answers question(s) {sorted(unknown)}; choose from 1, 2, 3, 5")
         print("\n".join(commands(args.out, questions, args.jobs)))
         return 0
-    runs = with_previous(load_runs(Path(args.out)), [Path(p) for p in args.previous])
+    previous = [Path(path) for path in args.previous]
+    for path in previous:
+        if not path.is_file():
+            p.error(f"--previous {path}: no such file (an earlier report's length_map.json)")
+    runs = with_previous(load_runs(Path(args.out)), previous)
     if not runs:
         p.error(f"--out {args.out}: no evaluated run of any length-map sweep")
     for path in write_report(runs, Path(args.results)):

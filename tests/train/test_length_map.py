@@ -113,6 +113,7 @@ def test_report_tables_and_plots(tmp_path):
     over = md[md.index("over training, depth 0: 32x") :].split("\n\n")[1]
     assert "| length-2048 | attention-polar | 2 | 50.0 (50.0-50.0) |" in over  # step 150 is the first tenth
     assert "| time-2048-short | steps-500 | 2 | 0.0 (0.0-0.0) |" in over and "25.0 (25.0-25.0) |" in over
+    assert "4x (the 370M body)\n\nNo run of this question" in md  # no row of dashes for cells not measured at 4x
     assert "| length-128 | attention-polar | 2 | 1500 | 3.00 (2.50-3.50) |" in md  # the final losses
     assert [p.name for p in written[2:]] == ["recall_vs_train_length.png", "recall_over_training.png"]
     assert all(p.stat().st_size > 0 for p in written)
@@ -125,5 +126,10 @@ def test_report_keeps_earlier_runs_that_no_later_sweep_holds(tmp_path):
     again = dict(run, recall={"32x d0": 2.0})
     merged = length_map.with_previous([again], [earlier])
     assert merged == [again, dict(run, seed=1)]  # seed 0 trained again replaces the earlier one
-    with pytest.raises(SystemExit, match="no such file"):
-        length_map.with_previous([], [tmp_path / "missing.json"])
+
+
+def test_report_names_a_missing_previous_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        length_map.main(["report", "--out", str(tmp_path), "--results", str(tmp_path / "r"),
+                         "--previous", str(tmp_path / "missing.json")])  # fmt: skip
+    assert exit_.value.code == 2 and "missing.json: no such file" in capsys.readouterr().err
