@@ -1,6 +1,6 @@
 """Where does length invariance hold? The sweeps behind docs/results.md's length map, and its report.
 
-    python benchmarks/train/length_map.py commands [--out sweeps/map] [--questions 1,2,3,5] [--jobs 12]
+    python benchmarks/train/length_map.py commands [--out sweeps/map] [--questions 1,2,3,4,5] [--jobs 12]
     python benchmarks/train/length_map.py report --out sweeps/map --results REPORT_FOLDER
 
 `commands` prints the shell lines that train and evaluate every run, one line per sweep (its
@@ -22,8 +22,9 @@ changes one thing; recall is the records needle, exact 5/5, at 1x, 8x and 32x th
    runs of question 1), and at 2,048 with a lower peak learning rate (3e-4), a shorter run (500 steps)
    or Polar's unit direction; and at 1x, 4x and 32x at every fifth of the run for the 370M body
    (train_configs/repro/atma_370m_polar_memory.toml, 4.5 GB a checkpoint);
+4. the 370M body changed along what 1-3 point to: one global block of its 16 (block 14) instead of four,
+   2 seeds, evaluated as the toy cells at 1x, 8x and 32x (2K, 16K, 64K);
 5. documents apart: Polar and softmax, with and without data.document_mask, at 128.
-(Question 4, the 370M body changed along what 1-3 point to: docs/results.md.)
 
 `report --previous` adds the runs of earlier reports' length_map.json that --out does not hold again.
 """
@@ -117,6 +118,7 @@ SWEEPS = (
         steps_multiples=(1, 4, 32),
         seeds="0",
     ),
+    Sweep("global-370m", 4, ('model.global_layers="14"',), seq_len=2048, base=BODY_370M, seeds="0,1"),
     Sweep("documents-128", 5, ("model.attention=polar,softmax", "data.document_mask=false,true")),
 )
 
@@ -293,6 +295,7 @@ def write_report(runs: list[dict], results: Path) -> list[Path]:
         "## 3. Recall over training, depth 0: 32x\n\n" + over_training_table(runs, 32),
         "## 3. Recall over training, depth 0: 4x (the 370M body)\n\n" + over_training_table(runs, 4),
         "## 3. Recall over training, depth 0: 1x\n\n" + over_training_table(runs, 1),
+        "## 4. The 370M body with one global block\n\n" + recall_table(runs, 4),
         "## 5. Documents apart (at 128)\n\n" + recall_table(runs, 5, nll=True),
     ]
     written = [results / "length_map.md", results / "length_map.json"]
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="verb", required=True)
     c = sub.add_parser("commands", help="print the shell lines that train and evaluate every run")
     c.add_argument("--out", default="sweeps/map")
-    c.add_argument("--questions", default="1,2,3,5", help="which questions' sweeps (1, 2, 3, 5)")
+    c.add_argument("--questions", default="1,2,3,4,5", help="which questions' sweeps (1 to 5)")
     c.add_argument("--jobs", type=int, default=12, help="runs at once per sweep (the sweep's --jobs)")
     r = sub.add_parser("report", help="the tables and plots of the finished sweeps")
     r.add_argument("--out", default="sweeps/map")
@@ -393,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         questions = {int(q) for q in args.questions.split(",")}
         unknown = questions - {s.question for s in SWEEPS}
         if unknown:
-            p.error(f"--questions: no sweep answers question(s) {sorted(unknown)}; choose from 1, 2, 3, 5")
+            known = ", ".join(map(str, sorted({s.question for s in SWEEPS})))
+            p.error(f"--questions: no sweep answers question(s) {sorted(unknown)}; choose from {known}")
         print("\n".join(commands(args.out, questions, args.jobs)))
         return 0
     previous = [Path(path) for path in args.previous]

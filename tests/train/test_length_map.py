@@ -46,7 +46,7 @@ def test_every_cell_of_every_sweep_trains_a_step(sweep, tmp_path):
 
 
 def test_commands_are_one_line_per_sweep_with_its_evaluations():
-    lines = length_map.commands("sweeps/map", {1, 2, 3, 5}, jobs=4)
+    lines = length_map.commands("sweeps/map", {1, 2, 3, 4, 5}, jobs=4)
     assert len(lines) == len(length_map.SWEEPS)
     by_name = {line.split("--out sweeps/map/")[1].split()[0]: line for line in lines}
     first = shlex.split(by_name["length-2048"].split(" && ")[0])
@@ -64,6 +64,11 @@ def test_commands_are_one_line_per_sweep_with_its_evaluations():
     assert body[body.index("--base") + 1] == length_map.BODY_370M and "training.seq_len=2048" not in body
     assert "checkpoint.interval=153" in body and body[body.index("--seeds") + 1] == "0"  # every fifth of 763 steps
     assert "--steps all --gaps 2048,8192,65536" in body[body.index("--eval-args") + 1]
+    one_global = shlex.split(by_name["global-370m"])  # question 4: the 370M body, the toy cells' evaluation
+    assert one_global[one_global.index("--base") + 1] == length_map.BODY_370M
+    assert one_global[one_global.index("--factor") + 1] == 'model.global_layers="14"'
+    assert one_global[one_global.index("--seeds") + 1] == "0,1" and "checkpoint.interval=1500" in one_global
+    assert "--gaps 2048,16384,65536 --depths 0,0.5" in one_global[one_global.index("--eval-args") + 1]
     assert "optimizer.matrix_lr=0.00025" in by_name["width-1024"]  # 1e-3 x 256 / 1,024
     assert list(length_map.commands("m", {5}, 1)) == [by_name["documents-128"].replace("sweeps/map", "m")
                                                       .replace("--jobs 4", "--jobs 1")]  # fmt: skip
