@@ -615,6 +615,12 @@ def _polar_backward(layout: _Layout, saved, g_c, g_mag, block_q, block_k):
     )
 
 
+def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype, itself when it already is: under torch.compile, torch 2.11 drops the gradient of a Function's
+    output that is a same-dtype .to() of an intermediate (2.13 does not)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class PolarAttentionFunction(torch.autograd.Function):
     """Streaming Polar attention; saves inputs, c and per-query (m, l, q2, ||s_vec||) only."""
 
@@ -624,8 +630,8 @@ class PolarAttentionFunction(torch.autograd.Function):
         c, mag, stats = _polar_forward(
             layout, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, block_q, block_k
         )
-        c_out = _merge_query_heads(c).to(q.dtype)
-        mag_out = _merge_query_heads(mag).to(q.dtype)
+        c_out = _as_dtype(_merge_query_heads(c), q.dtype)
+        mag_out = _as_dtype(_merge_query_heads(mag), q.dtype)
         # c is kept in the output dtype, as a kernel would; mag is recomputed from (l, q2) in backward
         ctx.save_for_backward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c_out, *stats, doc_start)
         ctx.window, ctx.block_q, ctx.block_k = window, block_q, block_k
