@@ -393,11 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.verb == "commands":
-        questions = {int(q) for q in args.questions.split(",")}
-        unknown = questions - {s.question for s in SWEEPS}
-        if unknown:
-            known = ", ".join(map(str, sorted({s.question for s in SWEEPS})))
-            p.error(f"--questions: no sweep answers question(s) {sorted(unknown)}; choose from {known}")
+        try:
+            questions = {int(q) for q in args.questions.split(",")}
+        except ValueError:
+            p.error(f"--questions {args.questions!r}: comma-separated question numbers, e.g. 1,3")
+        known = {s.question for s in SWEEPS}
+        if questions - known:
+            choices = ", ".join(map(str, sorted(known)))
+            p.error(f"--questions: no sweep answers question(s) {sorted(questions - known)}; choose from {choices}")
         print("\n".join(commands(args.out, questions, args.jobs)))
         return 0
     previous = [Path(path) for path in args.previous]

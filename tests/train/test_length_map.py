@@ -138,3 +138,10 @@ def test_report_names_a_missing_previous_file(tmp_path, capsys):
         length_map.main(["report", "--out", str(tmp_path), "--results", str(tmp_path / "r"),
                          "--previous", str(tmp_path / "missing.json")])  # fmt: skip
     assert exit_.value.code == 2 and "missing.json: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("questions", "message"), [("7", "no sweep answers question(s) [7]"), ("a", "numbers")])
+def test_commands_name_bad_questions(questions, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        length_map.main(["commands", "--questions", questions])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
