@@ -23,7 +23,7 @@ changes one thing; recall is the records needle, exact 5/5, at 1x, 8x and 32x th
    or Polar's unit direction; and at 1x, 4x and 32x at every fifth of the run for the 370M body
    (train_configs/repro/atma_370m_polar_memory.toml, 4.5 GB a checkpoint);
 4. the 370M body changed along what 1-3 point to: one global block of its 16 (block 14) instead of four,
-   2 seeds, evaluated as the toy cells at 1x, 8x and 32x (2K, 16K, 64K);
+   2 seeds, evaluated as the toy cells at 1x, 8x and 32x (2K, 16K, 64K), and over training as in 3;
 5. documents apart: Polar and softmax, with and without data.document_mask, at 128.
 
 `report --previous` adds the runs of earlier reports' length_map.json that --out does not hold again.
@@ -118,7 +118,18 @@ SWEEPS = (
         steps_multiples=(1, 4, 32),
         seeds="0",
     ),
-    Sweep("global-370m", 4, ('model.global_layers="14"',), seq_len=2048, base=BODY_370M, seeds="0,1"),
+    # As time-370m, with the full evaluation of the last checkpoint as well.
+    Sweep(
+        "global-370m",
+        4,
+        ('model.global_layers="14"',),
+        seq_len=2048,
+        over_training="global_layers-14",
+        every=153,
+        base=BODY_370M,
+        steps_multiples=(1, 4, 32),
+        seeds="0,1",
+    ),
     Sweep("documents-128", 5, ("model.attention=polar,softmax", "data.document_mask=false,true")),
 )
 
@@ -250,10 +261,7 @@ def recall_table(runs: list[dict], question: int, nll: bool = False) -> str:
 def over_training_table(runs: list[dict], multiple: int) -> str:
     """Exact recall (%) at `multiple` x, depth 0, at each tenth of the run (columns) per cell (rows)."""
     header, rows = ["sweep", "cell", "n"] + [f"{10 * i}%" for i in range(1, 11)], []
-    for (sweep, cell), all_members in {**groups(runs, 3), **_over_training_groups(runs)}.items():
-        members = [r for r in all_members if r["over_training"]]
-        if not members:
-            continue
+    for (sweep, cell), members in _over_training_groups(runs).items():
         steps = [s["step"] for s in members[0]["over_training"]]
         last = steps[-1]
         by_tenth: dict[int, list[float]] = {}
@@ -268,7 +276,12 @@ def over_training_table(runs: list[dict], multiple: int) -> str:
 
 
 def _over_training_groups(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    return {k: v for k, v in groups(runs, 1).items() if any(r["over_training"] for r in v)}
+    """The cells, of any question, whose runs were evaluated over training."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for run in runs:
+        if run["over_training"]:
+            out.setdefault((run["sweep"], run["cell"]), []).append(run)
+    return out
 
 
 def loss_table(runs: list[dict]) -> str:
@@ -293,7 +306,7 @@ def write_report(runs: list[dict], results: Path) -> list[Path]:
         "## 1. Training length\n\n" + recall_table(runs, 1),
         "## 2. Depth, global blocks and width (at 128)\n\n" + recall_table(runs, 2),
         "## 3. Recall over training, depth 0: 32x\n\n" + over_training_table(runs, 32),
-        "## 3. Recall over training, depth 0: 4x (the 370M body)\n\n" + over_training_table(runs, 4),
+        "## 3. Recall over training, depth 0: 4x (the 370M bodies)\n\n" + over_training_table(runs, 4),
         "## 3. Recall over training, depth 0: 1x\n\n" + over_training_table(runs, 1),
         "## 4. The 370M body with one global block\n\n" + recall_table(runs, 4),
         "## 5. Documents apart (at 128)\n\n" + recall_table(runs, 5, nll=True),
@@ -351,8 +364,7 @@ def plot_over_training(runs: list[dict], path: Path) -> Path:
 
     fig = Figure(figsize=(8, 4.8), layout="constrained")
     ax = fig.subplots()
-    trained = {**groups(runs, 3), **_over_training_groups(runs)}
-    for i, ((sweep, cell), members) in enumerate(sorted(trained.items())):
+    for i, ((sweep, cell), members) in enumerate(sorted(_over_training_groups(runs).items())):
         for key, style in (("32x d0", "-"), ("1x d0", ":")):
             steps = sorted({s["step"] for r in members for s in r["over_training"]})
             if not steps:

@@ -64,11 +64,15 @@ def test_commands_are_one_line_per_sweep_with_its_evaluations():
     assert body[body.index("--base") + 1] == length_map.BODY_370M and "training.seq_len=2048" not in body
     assert "checkpoint.interval=153" in body and body[body.index("--seeds") + 1] == "0"  # every fifth of 763 steps
     assert "--steps all --gaps 2048,8192,65536" in body[body.index("--eval-args") + 1]
-    one_global = shlex.split(by_name["global-370m"])  # question 4: the 370M body, the toy cells' evaluation
+    # question 4: the 370M body, the toy cells' evaluation, then every checkpoint as time-370m's
+    one_global, its_steps = by_name["global-370m"].split(" && ")
+    one_global = shlex.split(one_global)
     assert one_global[one_global.index("--base") + 1] == length_map.BODY_370M
     assert one_global[one_global.index("--factor") + 1] == 'model.global_layers="14"'
-    assert one_global[one_global.index("--seeds") + 1] == "0,1" and "checkpoint.interval=1500" in one_global
+    assert one_global[one_global.index("--seeds") + 1] == "0,1" and "checkpoint.interval=153" in one_global
     assert "--gaps 2048,16384,65536 --depths 0,0.5" in one_global[one_global.index("--eval-args") + 1]
+    assert "global-370m/cells/global_layers-14_seed-*;" in its_steps
+    assert "--steps all --gaps 2048,8192,65536" in its_steps
     assert "optimizer.matrix_lr=0.00025" in by_name["width-1024"]  # 1e-3 x 256 / 1,024
     assert list(length_map.commands("m", {5}, 1)) == [by_name["documents-128"].replace("sweeps/map", "m")
                                                       .replace("--jobs 4", "--jobs 1")]  # fmt: skip
@@ -98,7 +102,7 @@ def _run(folder: Path, group: str, seed: int, train_len: int, exact: dict, steps
 def test_report_tables_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     sweeps = {s.name: s for s in length_map.SWEEPS}
-    cells = {name: [] for name in ("length-128", "length-2048", "time-2048-short")}
+    cells = {name: [] for name in ("length-128", "length-2048", "time-2048-short", "global-370m")}
     for seed, value in ((0, 0.9), (1, 0.7)):
         exact = {(32, 0.0, "teacher_forced"): value, (32, 0.0, "generated"): value / 2, (1, 0.0, "teacher_forced"): 1.0}
         cells["length-128"].append(_run(tmp_path / "length-128", "attention-polar", seed, 128, exact))
@@ -106,6 +110,8 @@ def test_report_tables_and_plots(tmp_path):
                                          [(150, 0.5), (1500, value)]))  # fmt: skip
         cells["time-2048-short"].append(_run(tmp_path / "time-2048-short", "steps-500", seed, 2048, exact,
                                              [(50, 0.0), (500, 0.25)]))  # fmt: skip
+        cells["global-370m"].append(_run(tmp_path / "global-370m", "global_layers-14", seed, 2048, exact,
+                                         [(153, 0.0), (306, 0.75), (763, value)]))  # fmt: skip
     for name, runs in cells.items():
         (tmp_path / name / "sweep.json").write_text(json.dumps({"cells": runs}))
     runs = length_map.load_runs(tmp_path)
@@ -118,7 +124,11 @@ def test_report_tables_and_plots(tmp_path):
     over = md[md.index("over training, depth 0: 32x") :].split("\n\n")[1]
     assert "| length-2048 | attention-polar | 2 | 50.0 (50.0-50.0) |" in over  # step 150 is the first tenth
     assert "| time-2048-short | steps-500 | 2 | 0.0 (0.0-0.0) |" in over and "25.0 (25.0-25.0) |" in over
-    assert "4x (the 370M body)\n\nNo run of this question" in md  # no row of dashes for cells not measured at 4x
+    # question 4's runs read over training too: 306 of 763 steps is the fourth tenth
+    assert "| global-370m | global_layers-14 | 2 | - | 0.0 (0.0-0.0) | - | 75.0 (75.0-75.0) |" in over
+    one_global = md[md.index("## 4.") :].split("\n\n")[1]
+    assert "| global-370m | global_layers-14 | 2 | 100.0 (100.0-100.0) |" in one_global
+    assert "4x (the 370M bodies)\n\nNo run of this question" in md  # no row of dashes for cells not measured at 4x
     assert "| length-128 | attention-polar | 2 | 1500 | 3.00 (2.50-3.50) |" in md  # the final losses
     assert [p.name for p in written[2:]] == ["recall_vs_train_length.png", "recall_over_training.png"]
     assert all(p.stat().st_size > 0 for p in written)
