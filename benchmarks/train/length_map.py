@@ -96,6 +96,9 @@ class Sweep:
 
 WIDE = ("model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=128", "model.mlp_hidden=4096")
 LOW_LR = ("optimizer.embed_lr=0.0003", "optimizer.head_lr=0.0003", "optimizer.scalar_lr=0.0003")
+# The 370M body at its own length and batch, read over training at 1x, 4x and 32x at every fifth of its 763
+# steps (153; ten checkpoints would be 45 GB a run).
+BODY_370M_FIFTHS = dict(seq_len=2048, every=153, base=BODY_370M, steps_multiples=(1, 4, 32))
 SWEEPS = (
     Sweep("length-128", 1, ("model.attention=polar,softmax",), over_training="attention-polar"),
     Sweep("length-512", 1, ("model.attention=polar,softmax",), seq_len=512),
@@ -106,29 +109,15 @@ SWEEPS = (
     Sweep("time-2048-lr", 3, ("optimizer.matrix_lr=0.0003",), sets=LOW_LR, seq_len=2048, final_eval=False),
     Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, every=50),
     Sweep("time-2048-unit", 3, ("model.polar_direction=unit",), seq_len=2048, final_eval=False),
-    # 763 steps: a checkpoint at every fifth, 153 steps (ten would be 45 GB).
-    Sweep(
-        "time-370m",
-        3,
-        ("model.attention=polar",),
-        seq_len=2048,
-        final_eval=False,
-        every=153,
-        base=BODY_370M,
-        steps_multiples=(1, 4, 32),
-        seeds="0",
-    ),
-    # As time-370m, with the full evaluation of the last checkpoint as well.
+    Sweep("time-370m", 3, ("model.attention=polar",), final_eval=False, seeds="0", **BODY_370M_FIFTHS),
+    # the full evaluation of the last checkpoint as well
     Sweep(
         "global-370m",
         4,
         ('model.global_layers="14"',),
-        seq_len=2048,
         over_training="global_layers-14",
-        every=153,
-        base=BODY_370M,
-        steps_multiples=(1, 4, 32),
         seeds="0,1",
+        **BODY_370M_FIFTHS,
     ),
     Sweep("documents-128", 5, ("model.attention=polar,softmax", "data.document_mask=false,true")),
 )
@@ -228,12 +217,16 @@ def spread(values: list[float], digits: int = 1) -> str:
     return "-" if found is None else found.text(f"{{:.{digits}f}}", found.n)
 
 
-def groups(runs: list[dict], question: int) -> dict[tuple[str, str], list[dict]]:
+def by_cell(runs) -> dict[tuple[str, str], list[dict]]:
+    """The runs grouped by (sweep, cell), in order."""
     out: dict[tuple[str, str], list[dict]] = {}
     for run in runs:
-        if run["question"] == question:
-            out.setdefault((run["sweep"], run["cell"]), []).append(run)
+        out.setdefault((run["sweep"], run["cell"]), []).append(run)
     return out
+
+
+def groups(runs: list[dict], question: int) -> dict[tuple[str, str], list[dict]]:
+    return by_cell(r for r in runs if r["question"] == question)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -277,11 +270,7 @@ def over_training_table(runs: list[dict], multiple: int) -> str:
 
 def _over_training_groups(runs: list[dict]) -> dict[tuple[str, str], list[dict]]:
     """The cells, of any question, whose runs were evaluated over training."""
-    out: dict[tuple[str, str], list[dict]] = {}
-    for run in runs:
-        if run["over_training"]:
-            out.setdefault((run["sweep"], run["cell"]), []).append(run)
-    return out
+    return by_cell(r for r in runs if r["over_training"])
 
 
 def loss_table(runs: list[dict]) -> str:
