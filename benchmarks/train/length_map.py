@@ -1,6 +1,7 @@
 """Where does length invariance hold? The sweeps behind docs/results.md's length map, and its report.
 
     python benchmarks/train/length_map.py commands [--out sweeps/map] [--questions 1,2,3,4,5] [--jobs 12]
+        [--sweeps time-370m,global-370m] [--seeds 1]
     python benchmarks/train/length_map.py report --out sweeps/map --results REPORT_FOLDER
 
 `commands` prints the shell lines that train and evaluate every run, one line per sweep (its
@@ -21,7 +22,7 @@ changes one thing; recall is the records needle, exact 5/5, at 1x, 8x and 32x th
 3. training time: recall at 1x and 32x at every tenth of the run for the toy at 128 and at 2,048 (the
    runs of question 1), and at 2,048 with a lower peak learning rate (3e-4), a shorter run (500 steps)
    or Polar's unit direction; and at 1x, 4x and 32x at every fifth of the run for the 370M body
-   (train_configs/repro/atma_370m_polar_memory.toml, 4.5 GB a checkpoint);
+   (train_configs/repro/atma_370m_polar_memory.toml, 4.5 GB a checkpoint, 2 seeds);
 4. the 370M body changed along what 1-3 point to: one global block of its 16 (block 14) instead of four,
    2 seeds, evaluated as the toy cells at 1x, 8x and 32x (2K, 16K, 64K), and over training as in 3;
 5. documents apart: Polar and softmax, with and without data.document_mask, at 128.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -109,7 +111,7 @@ SWEEPS = (
     Sweep("time-2048-lr", 3, ("optimizer.matrix_lr=0.0003",), sets=LOW_LR, seq_len=2048, final_eval=False),
     Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, every=50),
     Sweep("time-2048-unit", 3, ("model.polar_direction=unit",), seq_len=2048, final_eval=False),
-    Sweep("time-370m", 3, ("model.attention=polar",), final_eval=False, seeds="0", **BODY_370M_FIFTHS),
+    Sweep("time-370m", 3, ("model.attention=polar",), final_eval=False, seeds="0,1", **BODY_370M_FIFTHS),
     # the full evaluation of the last checkpoint as well
     Sweep(
         "global-370m",
@@ -123,31 +125,36 @@ SWEEPS = (
 )
 
 
-def sweep_command(sweep: Sweep, out: str, jobs: int) -> str:
+def sweep_command(sweep: Sweep, out: str, jobs: int, seeds: str) -> str:
     parts = ["python -m atma_titan.sweep run", f"--base {sweep.base}", f"--out {out}/{sweep.name}"]
     parts += [f"--factor {shlex.quote(f)}" for f in sweep.factors] + [f"--set {s}" for s in sweep.fixed()]
-    parts += [f"--seeds {sweep.seeds}", f"--jobs {jobs}", f"--eval-args {shlex.quote(sweep.eval_args())}"]
+    parts += [f"--seeds {seeds}", f"--jobs {jobs}", f"--eval-args {shlex.quote(sweep.eval_args())}"]
     return " ".join(parts)
 
 
-def steps_command(sweep: Sweep, out: str) -> str | None:
-    """The evaluation of every checkpoint of the sweep's `over_training` runs, into each run's eval_steps/ (the
-    runs at once)."""
+def steps_command(sweep: Sweep, out: str, seeds: str) -> str | None:
+    """The evaluation of every checkpoint of the sweep's `over_training` runs of these seeds, into each run's
+    eval_steps/ (the runs at once)."""
     if not sweep.over_training or not sweep.final_eval:
         return None
-    cells = f"{out}/{sweep.name}/cells/{sweep.over_training}_seed-*"
+    cells = " ".join(f"{out}/{sweep.name}/cells/{sweep.over_training}_seed-{s}" for s in seeds.split(","))
     return (
         f'for cell in {cells}; do python -m atma_titan.eval --checkpoint "$cell/run" {sweep.steps_eval_args()} '
         f'--out "$cell/eval_steps" & done; wait'
     )
 
 
-def commands(out: str, questions: set[int], jobs: int) -> list[str]:
-    """One line per sweep: the sweep, then (where asked) the evaluation of its runs over training."""
+def commands(
+    out: str, questions: set[int], jobs: int, seeds: str | None = None, names: set[str] | None = None
+) -> list[str]:
+    """One line per sweep (of these questions, and of these names if given): the sweep, then (where asked) the
+    evaluation of its runs over training. `seeds` replaces each sweep's own training seeds (to add a seed to a
+    finished map: `report --previous` merges)."""
     lines = []
-    for sweep in (s for s in SWEEPS if s.question in questions):
-        steps = steps_command(sweep, out)
-        lines.append(sweep_command(sweep, out, jobs) + (f" && {steps}" if steps else ""))
+    for sweep in (s for s in SWEEPS if s.question in questions and (names is None or s.name in names)):
+        these = seeds or sweep.seeds
+        steps = steps_command(sweep, out, these)
+        lines.append(sweep_command(sweep, out, jobs, these) + (f" && {steps}" if steps else ""))
     return lines
 
 
@@ -382,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="sweeps/map")
     c.add_argument("--questions", default="1,2,3,4,5", help="which questions' sweeps (1 to 5)")
     c.add_argument("--jobs", type=int, default=12, help="runs at once per sweep (the sweep's --jobs)")
+    c.add_argument("--sweeps", help="only these sweeps, by name, e.g. time-370m,global-370m")
+    c.add_argument("--seeds", help="only these training seeds, e.g. 1 (default: each sweep's own)")
     r = sub.add_parser("report", help="the tables and plots of the finished sweeps")
     r.add_argument("--out", default="sweeps/map")
     r.add_argument("--results", required=True, help="folder for length_map.md, length_map.json and the plots")
@@ -402,7 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         if questions - known:
             choices = ", ".join(map(str, sorted(known)))
             p.error(f"--questions: no sweep answers question(s) {sorted(questions - known)}; choose from {choices}")
-        print("\n".join(commands(args.out, questions, args.jobs)))
+        if args.seeds is not None and not re.fullmatch(r"\d+(,\d+)*", args.seeds):
+            p.error(f"--seeds {args.seeds!r}: comma-separated seed numbers, e.g. 1 or 0,1")
+        names = set(args.sweeps.split(",")) if args.sweeps else None
+        if names and names - {s.name for s in SWEEPS}:
+            unknown, choices = ", ".join(sorted(names - {s.name for s in SWEEPS})), ", ".join(s.name for s in SWEEPS)
+            p.error(f"--sweeps: no sweep named {unknown}; choose from {choices}")
+        print("\n".join(commands(args.out, questions, args.jobs, args.seeds, names)))
         return 0
     previous = [Path(path) for path in args.previous]
     for path in previous:

@@ -62,7 +62,7 @@ def test_commands_are_one_line_per_sweep_with_its_evaluations():
     assert "checkpoint.interval=1500" in by_name["length-512"] and "checkpoint.interval=1500" in by_name["width-1024"]
     body = shlex.split(by_name["time-370m"])
     assert body[body.index("--base") + 1] == length_map.BODY_370M and "training.seq_len=2048" not in body
-    assert "checkpoint.interval=153" in body and body[body.index("--seeds") + 1] == "0"  # every fifth of 763 steps
+    assert "checkpoint.interval=153" in body and body[body.index("--seeds") + 1] == "0,1"  # every fifth of 763 steps
     assert "--steps all --gaps 2048,8192,65536" in body[body.index("--eval-args") + 1]
     # question 4: the 370M body, the toy cells' evaluation, then every checkpoint as time-370m's
     one_global, its_steps = by_name["global-370m"].split(" && ")
@@ -71,9 +71,13 @@ def test_commands_are_one_line_per_sweep_with_its_evaluations():
     assert one_global[one_global.index("--factor") + 1] == 'model.global_layers="14"'
     assert one_global[one_global.index("--seeds") + 1] == "0,1" and "checkpoint.interval=153" in one_global
     assert "--gaps 2048,16384,65536 --depths 0,0.5" in one_global[one_global.index("--eval-args") + 1]
-    assert "global-370m/cells/global_layers-14_seed-*;" in its_steps
+    cells = "sweeps/map/global-370m/cells/global_layers-14_seed-"
+    assert f"for cell in {cells}0 {cells}1;" in its_steps
     assert "--steps all --gaps 2048,8192,65536" in its_steps
     assert "optimizer.matrix_lr=0.00025" in by_name["width-1024"]  # 1e-3 x 256 / 1,024
+    # a seed added to a finished map: that seed's runs alone, trained and evaluated
+    (one_more,) = length_map.commands("m", {3, 4}, 1, seeds="1", names={"global-370m"})
+    assert " --seeds 1 " in one_more and "for cell in m/global-370m/cells/global_layers-14_seed-1;" in one_more
     assert list(length_map.commands("m", {5}, 1)) == [by_name["documents-128"].replace("sweeps/map", "m")
                                                       .replace("--jobs 4", "--jobs 1")]  # fmt: skip
 
@@ -154,4 +158,15 @@ def test_report_names_a_missing_previous_file(tmp_path, capsys):
 def test_commands_name_bad_questions(questions, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         length_map.main(["commands", "--questions", questions])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--seeds", "one"], "--seeds 'one': comma-separated seed numbers"),
+     (["--sweeps", "time-370m,depth-9"], "no sweep named depth-9; choose from length-128, ")],
+)  # fmt: skip
+def test_commands_name_bad_seeds_and_sweeps(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        length_map.main(["commands", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
