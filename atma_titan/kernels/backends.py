@@ -12,6 +12,9 @@ TRITON_INTERPRET only takes effect if it is set before triton is imported anyway
 - `AUTOTUNE`: False with ATMA_TRITON_AUTOTUNE=0, where the kernels take the first config of their list
   whose compiled shared memory fits the device, untimed (tests, where tuning time dominates and speed
   is irrelevant); the lists' first configs fit an L4, an A100 and an H100 / H200 alike (resources.py).
+- `COPY_ENGINE`: False with ATMA_TRITON_COPY_ENGINE=0, where the Polar attention kernels load their tiles
+  on Hopper as on every other GPU instead of through Hopper's copy engine (tensor descriptors): the
+  baseline of a comparison, or a way around a driver or Triton release that mishandles descriptors.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 __all__ = [
     "AUTOTUNE",
+    "COPY_ENGINE",
     "INTERPRET",
     "autotune_choices",
     "built_for_interpreter",
@@ -36,6 +40,7 @@ __all__ = [
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 AUTOTUNE = os.environ.get("ATMA_TRITON_AUTOTUNE", "1") != "0"
+COPY_ENGINE = os.environ.get("ATMA_TRITON_COPY_ENGINE", "1") != "0"
 
 
 def gradients_flow(*tensors: torch.Tensor | None) -> bool:

@@ -114,8 +114,9 @@ _DTYPES = {
 def launch_signature(fn, args: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any], tuple[str, ...]]:
     """(signature, constexprs, aligned) of a @triton.jit function `fn` for a launch with `args`, by name.
 
-    A tensor (any device, `meta` included) stands for a pointer to its dtype, a Python int for an i32
-    (i64 past 32 bits), a float for an fp32, a bool for an i1; constexpr parameters take their value.
+    A tensor (any device, `meta` included) stands for a pointer to its dtype, a TensorDescriptor for a
+    descriptor of its block shape, a Python int for an i32 (i64 past 32 bits), a float for an fp32, a bool
+    for an i1; constexpr parameters take their value.
     `aligned` names the arguments specialised as divisible by 16 the way a launch does it: every pointer
     (the caching allocator's blocks are 512-byte aligned) and every int that is a multiple of 16.
     """
@@ -131,6 +132,8 @@ def launch_signature(fn, args: Mapping[str, Any]) -> tuple[dict[str, str], dict[
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + _DTYPES[value.dtype]
             aligned.append(name)
+        elif type(value).__name__ == "TensorDescriptor":  # a host-side tensor descriptor (Hopper's copy engine)
+            signature[name] = f"tensordesc<{_DTYPES[value.base.dtype]}[{','.join(map(str, value.block_shape))}]>"
         elif isinstance(value, bool):
             signature[name] = "i1"
         elif isinstance(value, int):
@@ -205,10 +208,14 @@ def _compile(fn, signature, constexprs, aligned, arch, num_warps, num_stages, ma
 
 
 def config_resources(fn, args: Mapping[str, Any], config, arch: int) -> KernelResources:
-    """`compile_config` for a `triton.Config`: its kwargs join `args`, its warps / stages / maxnreg the options."""
+    """`compile_config` for a `triton.Config`: its kwargs join `args`, its warps / stages / maxnreg the options
+    (after its pre_hook, which may shape an argument as the launch would)."""
+    args = {**args, **config.kwargs}
+    if config.pre_hook is not None:
+        config.pre_hook(args)
     return compile_config(
         fn,
-        {**args, **config.kwargs},
+        args,
         arch=arch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -249,6 +256,8 @@ def warmup_shared(fn, args: Sequence, kwargs: Mapping[str, Any], config=None) ->
     options = config.all_kwargs() if config is not None else {}
     # The autotuner's prune hook also receives its own launch keywords (Triton 3.6: grid, warmup).
     kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+    if config is not None and config.pre_hook is not None:  # e.g. a descriptor's block shape: part of the compile
+        config.pre_hook({**dict(zip(fn.arg_names, args)), **kwargs, **options})
     kernel = fn.warmup(*args, grid=(1,), **kwargs, **options)
     if hasattr(kernel, "result"):  # Triton's async compile mode hands back a future
         kernel = kernel.result()

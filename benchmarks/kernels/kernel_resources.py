@@ -69,6 +69,10 @@ class Case:
     kernel: str
     rows: list[Row]
     note: str = ""
+    archs: tuple[int, ...] | None = None  # the compute capabilities it runs on (None: every one)
+
+    def runs_on(self, arch: int) -> bool:
+        return self.archs is None or arch in self.archs
 
 
 def model_shapes(flavor: str) -> dict:
@@ -106,6 +110,8 @@ def _config_label(config) -> str:
 
 
 def polar_cases(shapes: dict, seq_len: int) -> list[Case]:
+    """The Polar kernels as sm_80 and sm_89 launch them, and as Hopper (sm_90) does: the forward, dq and dk/dv
+    kernels with the tiles they loop over moved by the copy engine (tensor descriptors)."""
     from atma_titan.kernels.polar import triton_attention as attention
 
     h, hkv, d = shapes["heads"], shapes["kv_heads"], shapes["head_dim"]
@@ -117,7 +123,19 @@ def polar_cases(shapes: dict, seq_len: int) -> list[Case]:
         attention.polar_backward(c, mag, q, k, v, *params, c, lse, n_eff, s_norm, window=shapes["window"])
     labels = {"polar_fwd_kernel": "polar.fwd", "polar_bwd_preamble_kernel": "polar.bwd_preamble"}
     labels |= {"polar_bwd_dq_kernel": "polar.bwd_dq", "polar_bwd_dkdv_kernel": "polar.bwd_dkdv"}
-    return [Case(labels[launch.name], _tuned_rows(launch)) for launch in launches]
+    described = {"K_DESC": "K", "V_DESC": "V", "Q_DESC": "Q", "GACC_DESC": "GACC"}
+    cases = []
+    for launch in launches:
+        if "TMA" not in launch.args:  # the preamble: one kernel everywhere
+            cases.append(Case(labels[launch.name], _tuned_rows(launch)))
+            continue
+        before_hopper = tuple(a for a in resources.ARCH_LIMITS if a < 90)
+        cases.append(Case(labels[launch.name], _tuned_rows(launch), archs=before_hopper))
+        args = {**launch.args, "TMA": True}
+        args |= {name: attention._descriptor(args[of]) for name, of in described.items() if name in args}
+        hopper = dataclasses.replace(launch, args=args)
+        cases.append(Case(labels[launch.name], _tuned_rows(hopper), "tiles by the copy engine", archs=(90,)))
+    return cases
 
 
 def decode_cases(shapes: dict) -> list[Case]:
@@ -280,7 +298,12 @@ def _compile_job(flavor: str, seq_len: int, case: int, row: int, arch: int) -> t
 
 def all_configs(cases: list[Case], archs) -> list[tuple[int, int, int]]:
     """Every (case, row, arch) compile job."""
-    return [(c, r, arch) for c, case in enumerate(cases) for r in range(len(case.rows)) for arch in archs]
+    return [
+        (c, r, arch)
+        for c, case in enumerate(cases)
+        for arch in filter(case.runs_on, archs)
+        for r in range(len(case.rows))
+    ]
 
 
 def measure(cases: list[Case], work, flavor: str, seq_len: int, jobs: int, progress: bool = True) -> dict:
@@ -309,12 +332,12 @@ def report(cases: list[Case], found: dict, archs) -> list[dict]:
         configs = []
         for r, row in enumerate(case.rows):
             per_arch = {}
-            for arch in archs:
+            for arch in filter(case.runs_on, archs):
                 numbers, _ = found[(c, r, arch)]
                 per_arch[f"sm_{arch}"] = {**numbers, "fits": resources.KernelResources(**numbers).fits(arch)}
             configs.append({"config": row.config, "targets": per_arch})
         summary = {}
-        for arch in archs:
+        for arch in filter(case.runs_on, archs):
             target = f"sm_{arch}"
             fitting = [cfg for cfg in configs if cfg["targets"][target]["fits"]]
             choice = fitting[0] if fitting else None
@@ -339,7 +362,10 @@ def print_table(kernels: list[dict], archs) -> None:
         for cfg in kernel["configs"]:
             cells = ""
             for arch in archs:
-                t = cfg["targets"][f"sm_{arch}"]
+                t = cfg["targets"].get(f"sm_{arch}")
+                if t is None:  # a kernel that does not run on this target
+                    cells += f" | {'':6}{'-':>7} {'-':>4} {'-':>5} {'-':>3}"
+                    continue
                 fit = "yes" if t["fits"] else "NO"
                 cells += f" | {'':6}{t['shared']:>7} {t['registers'] or '?':>4} {t['stack'] or 0:>5} {fit:>3}"
             print(f"{kernel['kernel']:<38} {cfg['config']:<52}{cells}")
@@ -347,7 +373,9 @@ def print_table(kernels: list[dict], archs) -> None:
     for kernel in kernels:
         parts = []
         for arch in archs:
-            s = kernel["summary"][f"sm_{arch}"]
+            s = kernel["summary"].get(f"sm_{arch}")
+            if s is None:
+                continue
             choice = s["autotune0_choice"]
             pick = (
                 "none"

@@ -6,10 +6,11 @@
 Paper shape: 8 query heads, 2 KV heads, head_dim 128, bf16, causal; batch 16 at 2K, 4 at 8K, 1 at 32K and
 64K. Times are `triton.testing.do_bench` medians (warm-up and autotuning excluded). FLOPs: 4*B*H*T^2*D
 forward, halved for causal, backward 2.5x forward (forward+backward 3.5x). Ratios are against SDPA flash
-in the same run. `compiled` times the kernel's custom ops inside torch.compile(fullgraph), as the model
-runs them (against polar_triton: what the opaque op costs). Memory: peak of one forward+backward above
-what was allocated before it, minus the outputs and input gradients it leaves behind. A backend that
-fails is recorded as null with its error.
+and cuDNN in the same run. On Hopper the Polar kernels take their tiles through the copy engine;
+ATMA_TRITON_COPY_ENGINE=0 times the pointer loads instead (the record says which). `compiled` times the
+kernel's custom ops inside torch.compile(fullgraph), as the model runs them (against polar_triton: what
+the opaque op costs). Memory: peak of one forward+backward above what was allocated before it, minus the
+outputs and input gradients it leaves behind. A backend that fails is recorded as null with its error.
 Results go to benchmarks/results/polar_attention-<gpu>-<date>.json.
 """
 
@@ -180,24 +181,25 @@ def check_against_reference(t: int) -> float:
 
 
 def print_table(rows):
-    head = f"{'T':>6} {'B':>3} {'backend':16} {'fwd ms':>9} {'TFLOP/s':>8} {'x flash':>7} "
-    head += f"{'f+b ms':>9} {'TFLOP/s':>8} {'x flash':>7} {'mem GiB':>8}"
+    head = f"{'T':>6} {'B':>3} {'backend':16} {'fwd ms':>9} {'TFLOP/s':>8} {'x flash':>7} {'x cuDNN':>7} "
+    head += f"{'f+b ms':>9} {'TFLOP/s':>8} {'x flash':>7} {'x cuDNN':>7} {'mem GiB':>8}"
     print(head)
     for row in rows:
-        flash = next((r for r in rows if r["t"] == row["t"] and r["backend"] == "sdpa_flash"), None)
         if row.get("error"):
             print(f"{row['t']:>6} {row['b']:>3} {row['backend']:16} failed: {row['error'][:70]}")
             continue
 
-        def ratio(key):
-            if not flash or flash.get("error") or flash.get(key) is None:
-                return "   -"
-            return f"{row[key] / flash[key]:7.2f}"
+        def ratio(key, backend):
+            base = next((r for r in rows if r["t"] == row["t"] and r["backend"] == backend), None)
+            if not base or base.get("error") or base.get(key) is None:
+                return f"{'-':>7}"
+            return f"{row[key] / base[key]:7.2f}"
 
         print(
             f"{row['t']:>6} {row['b']:>3} {row['backend']:16} {row['fwd_ms']:9.3f} {row['fwd_tflops']:8.1f} "
-            f"{ratio('fwd_tflops')} {row['fwd_bwd_ms']:9.3f} {row['fwd_bwd_tflops']:8.1f} "
-            f"{ratio('fwd_bwd_tflops')} {row['extra_memory_gib']:8.3f}"
+            f"{ratio('fwd_tflops', 'sdpa_flash')} {ratio('fwd_tflops', 'sdpa_cudnn')} {row['fwd_bwd_ms']:9.3f} "
+            f"{row['fwd_bwd_tflops']:8.1f} {ratio('fwd_bwd_tflops', 'sdpa_flash')} "
+            f"{ratio('fwd_bwd_tflops', 'sdpa_cudnn')} {row['extra_memory_gib']:8.3f}"
         )
 
 
@@ -258,6 +260,8 @@ def main() -> None:
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16", "causal": True},
         "flops": "4*B*H*T^2*D/2 forward, x3.5 forward+backward",
         "results": rows,
+        # the kernels' tiles through Hopper's copy engine (ATMA_TRITON_COPY_ENGINE=0: the pointer loads)
+        "copy_engine": triton_attention.copy_engine(torch.device("cuda")),
         "autotune_choices": autotune_choices(triton_attention),
     }
     write_json(result_path("polar_attention", args.out), record)

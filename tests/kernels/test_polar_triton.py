@@ -8,6 +8,8 @@ GPU (skipped without CUDA): bf16 at realistic shapes against the float64 naive f
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +32,29 @@ def test_cpu_without_interpreter_raises():
     inputs = make_inputs(1, 4, 4, 2, 1, 16, dtype=torch.float32, requires_grad=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         polar_attention_triton(*inputs)
+
+
+def test_copy_engine_on_hopper_unless_switched_off(monkeypatch):
+    """The kernels take their tiles through tensor descriptors on compute capability 9 and up only, and not
+    with ATMA_TRITON_COPY_ENGINE=0 (read once, at import)."""
+    from atma_titan.kernels.polar import triton_attention as tk
+
+    if tk.INTERPRET:
+        pytest.skip("this process runs the interpreter")
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    gpu = torch.device("cuda", 0)
+    assert tk.copy_engine(gpu) and not tk.copy_engine(torch.device("cpu"))
+    capability["value"] = (8, 9)  # an L4
+    assert not tk.copy_engine(gpu)
+    capability["value"] = (9, 0)
+    monkeypatch.setattr(tk, "COPY_ENGINE", False)
+    assert not tk.copy_engine(gpu)
+    flag = "from atma_titan.kernels import backends; print(backends.COPY_ENGINE)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "ATMA_TRITON_COPY_ENGINE": value}
+        out = subprocess.run([sys.executable, "-c", flag], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from atma_titan.kernels import resources
-from atma_titan.kernels.backends import AUTOTUNE, INTERPRET
+from atma_titan.kernels.backends import AUTOTUNE, COPY_ENGINE, INTERPRET
 from atma_titan.kernels.documents import document_ends
 from atma_titan.kernels.polar.reference import visible_key_counts
 from atma_titan.kernels.polar.triton_math import log1p, sigmoid, tanh_nonneg
@@ -59,9 +60,22 @@ def _configs(cuda_choices, interpret_choice):
     """
     choices = [interpret_choice] if INTERPRET else cuda_choices
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_MASK": split}, num_warps=w, num_stages=s)
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_MASK": split}, num_warps=w, num_stages=s, pre_hook=_descriptor_blocks
+        )
         for bm, bn, w, s, split in choices
     ]
+
+
+# the kernels' tensor-descriptor arguments (Hopper) and the tile rows each moves at a time
+_DESCRIPTOR_ROWS = {"K_DESC": "BLOCK_N", "V_DESC": "BLOCK_N", "Q_DESC": "BLOCK_M", "GACC_DESC": "BLOCK_M"}
+
+
+def _descriptor_blocks(nargs) -> None:
+    """A config's hook: each descriptor argument moves its config's tile, the rows of one head."""
+    for name, rows in _DESCRIPTOR_ROWS.items():
+        if isinstance(nargs.get(name), TensorDescriptor):
+            nargs[name].block_shape = [1, nargs[rows], 1, nargs["HEAD_DIM"]]
 
 
 FWD_CONFIGS = _configs(
@@ -180,6 +194,26 @@ def _load_tile(tile, MASKED: tl.constexpr):
 def _store_tile(tile, x):
     ptrs, row_ok = tile
     tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _rows_of_head(src, b, head, start, base_stride, n_rows, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MASKED: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """Rows [start, start + BLOCK) of one head of a (B, T, H, D) tensor: through its descriptor `src` with TMA
+    (the copy engine; rows past the end arrive as 0), else from `src`, a pointer to batch b's head `head`
+    (rows base_stride apart; rows past n_rows are 0 when MASKED)."""
+    if TMA:
+        return src.load([b, start, head, 0]).reshape(BLOCK, HEAD_DIM)
+    else:
+        return _load_tile(_tile(src, n_rows, start, base_stride, BLOCK, HEAD_DIM), MASKED)
+
+
+@triton.jit
+def _key_value_tiles(k_src, v_src, b, kvh, start_n, stride_kt, stride_vt, Tk, BLOCK_N: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    k = _rows_of_head(k_src, b, kvh, start_n, stride_kt, Tk, BLOCK_N, HEAD_DIM, MASKED, TMA)
+    v = _rows_of_head(v_src, b, kvh, start_n, stride_vt, Tk, BLOCK_N, HEAD_DIM, MASKED, TMA)
+    return k, v
 
 
 @triton.jit
@@ -326,25 +360,32 @@ def _fwd_key_tiles(
     Tk,
     window,
     offs_n,
+    b,
+    kvh,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """Online softmax over key tiles [lo, hi): running max m, l = sum p, q2 = sum p^2, acc = sum p v."""
+    """Online softmax over key tiles [lo, hi): running max m, l = sum p, q2 = sum p^2, acc = sum p v. With TMA
+    k_base, v_base are descriptors of the whole K and V (the copy engine moves the tiles; rows past Tk read
+    as 0), else pointers to batch b's KV head kvh."""
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
-        k = _load_tile(_tile(k_base, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), MASKED)
-        v = _load_tile(_tile(v_base, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), MASKED)
-        a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * row_scale[:, None]
+        k, v = _key_value_tiles(
+            k_base, v_base, b, kvh, start_n, stride_kt, stride_vt, Tk, BLOCK_N, HEAD_DIM, MASKED, TMA
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
             vis = _document_visibility(q_pos[:, None], k_pos[None, :], window, row_first[:, None], DOCUMENTS)
             vis = vis & (k_pos < Tk)[None, :]
-            a = tl.where(vis, a, float("-inf"))
-        m_new = tl.maximum(m, tl.max(a, 1))
+            qk = tl.where(vis, qk, float("-inf"))
+        # a = qk row_scale (row_scale > 0): its max from qk's, and the exponent in one FMA per entry
+        m_new = tl.maximum(m, tl.max(qk, 1) * row_scale)
         rescale = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(a - m_new[:, None])
+        p = tl.math.exp2(qk * row_scale[:, None] - m_new[:, None])
         l = l * rescale + tl.sum(p, 1)
         q2 = q2 * (rescale * rescale) + tl.sum(p * p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=DOT_PRECISION)
@@ -369,6 +410,8 @@ def polar_fwd_kernel(
     SP_BETA,
     V_NULL,
     DOC_START,
+    K_DESC,
+    V_DESC,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -395,10 +438,12 @@ def polar_fwd_kernel(
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
+    """K_DESC, V_DESC: with TMA (Hopper) the descriptors of K and V, else unread stand-ins."""
     start_m, pid_bh, b, h, kvh, offset = _query_tile_program(Tq, Tk, H, GROUP, BLOCK_M)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -424,24 +469,27 @@ def polar_fwd_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     q2 = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if TMA:
+        k_base = K_DESC
+        v_base = V_DESC
     args = (q_pos, row_first, k_base, v_base, stride_kt, stride_vt)
     if SPLIT_MASK:
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM,
-            True, BLOCK_N, DOT_PRECISION, DOCUMENTS,
+            acc, l, q2, m, q, row_scale, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, b, kvh,
+            HEAD_DIM, True, BLOCK_N, DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM,
-            False, BLOCK_N, DOT_PRECISION, DOCUMENTS,
+            acc, l, q2, m, q, row_scale, *args, full_lo, full_hi, Tk, window, offs_n, b, kvh,
+            HEAD_DIM, False, BLOCK_N, DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n,
-            HEAD_DIM, True, BLOCK_N, DOT_PRECISION, DOCUMENTS,
+            acc, l, q2, m, q, row_scale, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n, b,
+            kvh, HEAD_DIM, True, BLOCK_N, DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
     else:
         acc, l, q2, m = _fwd_key_tiles(
-            acc, l, q2, m, q, row_scale, *args, lo, hi, Tk, window, offs_n, HEAD_DIM,
-            True, BLOCK_N, DOT_PRECISION, DOCUMENTS,
+            acc, l, q2, m, q, row_scale, *args, lo, hi, Tk, window, offs_n, b, kvh,
+            HEAD_DIM, True, BLOCK_N, DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
 
     # fold in the null entry through keep = l / Z = sigmoid(lse - a_N); e^(a_N - m) is never formed
@@ -608,16 +656,22 @@ def _dq_key_tiles(
     Tk,
     window,
     offs_n,
+    b,
+    kvh,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
+    """Key tiles [lo, hi) of one query tile: dq += da k and the three row sums. k_base, v_base as in
+    _fwd_key_tiles."""
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
-        k = _load_tile(_tile(k_base, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), MASKED)
-        v = _load_tile(_tile(v_base, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), MASKED)
+        k, v = _key_value_tiles(
+            k_base, v_base, b, kvh, start_n, stride_kt, stride_vt, Tk, BLOCK_N, HEAD_DIM, MASKED, TMA
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         a = qk * row_scale[:, None] - lse2[:, None]
         if MASKED:
@@ -652,6 +706,8 @@ def polar_bwd_dq_kernel(
     DQ,
     DA_S,
     DA_NULL,
+    K_DESC,
+    V_DESC,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -672,6 +728,7 @@ def polar_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
@@ -705,24 +762,27 @@ def polar_bwd_dq_kernel(
     da_s = tl.zeros([BLOCK_M], tl.float32)
     p_g = tl.zeros([BLOCK_M], tl.float32)
     p_s = tl.zeros([BLOCK_M], tl.float32)
+    if TMA:
+        k_base = K_DESC
+        v_base = V_DESC
     args = (q, g_acc, row_scale, lse2, dp_const, g_q2, q_pos, row_first, k_base, v_base, stride_kt, stride_vt)
     if SPLIT_MASK:
         dq, da_s, p_g, p_s = _dq_key_tiles(
-            dq, da_s, p_g, p_s, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
-            DOT_PRECISION, DOCUMENTS,
+            dq, da_s, p_g, p_s, *args, lo, tl.minimum(full_lo, hi), Tk, window, offs_n, b, kvh, HEAD_DIM, True,
+            BLOCK_N, DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
         dq, da_s, p_g, p_s = _dq_key_tiles(
-            dq, da_s, p_g, p_s, *args, full_lo, full_hi, Tk, window, offs_n, HEAD_DIM, False, BLOCK_N,
-            DOT_PRECISION, DOCUMENTS,
+            dq, da_s, p_g, p_s, *args, full_lo, full_hi, Tk, window, offs_n, b, kvh, HEAD_DIM, False,
+            BLOCK_N, DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
         dq, da_s, p_g, p_s = _dq_key_tiles(
-            dq, da_s, p_g, p_s, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N,
-            DOT_PRECISION, DOCUMENTS,
+            dq, da_s, p_g, p_s, *args, tl.maximum(full_lo, full_hi), hi, Tk, window, offs_n, b, kvh, HEAD_DIM, True,
+            BLOCK_N, DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
     else:
         dq, da_s, p_g, p_s = _dq_key_tiles(
-            dq, da_s, p_g, p_s, *args, lo, hi, Tk, window, offs_n, HEAD_DIM, True, BLOCK_N, DOT_PRECISION,
-            DOCUMENTS,
+            dq, da_s, p_g, p_s, *args, lo, hi, Tk, window, offs_n, b, kvh, HEAD_DIM, True, BLOCK_N,
+            DOT_PRECISION, DOCUMENTS, TMA,
         )  # fmt: skip
     # ds = temp * da * scale is the gradient with respect to q.k
     dq = dq * (temp * sm_scale)[:, None]
@@ -766,20 +826,25 @@ def _dkdv_query_tiles(
     window,
     doc_base,
     offs_m,
+    b,
+    h,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """Accumulate dk, dv of one key tile (BLOCK_N rows) over query tiles [lo, hi) of one query head.
+    """Accumulate dk, dv of one key tile (BLOCK_N rows) over query tiles [lo, hi) of query head h.
 
-    Tiles are computed transposed (keys x queries) so dk and dv come out of plain dots.
+    Tiles are computed transposed (keys x queries) so dk and dv come out of plain dots. With TMA q_base and
+    a_base are descriptors of the whole q and g_acc (the copy engine moves the tiles; rows past Tq read as 0),
+    else pointers to batch b's head h.
     """
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
-        q = _load_tile(_tile(q_base, Tq, start_m, stride_qt, BLOCK_M, HEAD_DIM), MASKED)
-        g_acc = _load_tile(_tile(a_base, Tq, start_m, stride_at, BLOCK_M, HEAD_DIM), MASKED)
+        q = _rows_of_head(q_base, b, h, start_m, stride_qt, Tq, BLOCK_M, HEAD_DIM, MASKED, TMA)
+        g_acc = _rows_of_head(a_base, b, h, start_m, stride_at, Tq, BLOCK_M, HEAD_DIM, MASKED, TMA)
         if MASKED:
             row_ok = rows < Tq
             lse2 = tl.load(LSE2 + stats_base + rows, mask=row_ok, other=0.0)
@@ -827,6 +892,8 @@ def polar_bwd_dkdv_kernel(
     DOC_END,
     DK,
     DV,
+    Q_DESC,
+    GACC_DESC,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -846,10 +913,12 @@ def polar_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOCUMENTS: tl.constexpr,
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_MASK: tl.constexpr,
 ):
+    """Q_DESC, GACC_DESC: with TMA (Hopper) the descriptors of Q and GACC, else unread stand-ins."""
     start_n = tl.program_id(0) * BLOCK_N
     b, kvh = _batch_and_head(tl.program_id(1), H // GROUP)
     offset = Tk - Tq
@@ -869,27 +938,31 @@ def polar_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(GROUP):
         h = kvh * GROUP + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        a_base = GACC + b * stride_qb + h * stride_qh  # g_acc has q's layout
+        if TMA:
+            q_base = Q_DESC
+            a_base = GACC_DESC
+        else:
+            q_base = Q + b * stride_qb + h * stride_qh
+            a_base = GACC + b * stride_qb + h * stride_qh  # g_acc has q's layout
         stats_base = (b * H + h) * Tq
         args = (k, v, k_pos, q_base, a_base, stats_base, LSE2, DS_SCALE, DPC, GQ2, stride_qt, stride_qt)
         if SPLIT_MASK:
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, lo, tl.minimum(full_lo, hi), Tq, Tk, offset, window, doc_base, offs_m, HEAD_DIM,
-                True, BLOCK_M, DOT_PRECISION, DOCUMENTS,
+                dk, dv, *args, lo, tl.minimum(full_lo, hi), Tq, Tk, offset, window, doc_base, offs_m, b, h, HEAD_DIM,
+                True, BLOCK_M, DOT_PRECISION, DOCUMENTS, TMA,
             )  # fmt: skip
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, full_lo, full_hi, Tq, Tk, offset, window, doc_base, offs_m, HEAD_DIM,
-                False, BLOCK_M, DOT_PRECISION, DOCUMENTS,
+                dk, dv, *args, full_lo, full_hi, Tq, Tk, offset, window, doc_base, offs_m, b, h, HEAD_DIM,
+                False, BLOCK_M, DOT_PRECISION, DOCUMENTS, TMA,
             )  # fmt: skip
             dk, dv = _dkdv_query_tiles(
                 dk, dv, *args, tl.maximum(full_lo, full_hi), hi, Tq, Tk, offset, window, doc_base, offs_m,
-                HEAD_DIM, True, BLOCK_M, DOT_PRECISION, DOCUMENTS,
+                b, h, HEAD_DIM, True, BLOCK_M, DOT_PRECISION, DOCUMENTS, TMA,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_query_tiles(
-                dk, dv, *args, lo, hi, Tq, Tk, offset, window, doc_base, offs_m, HEAD_DIM, True, BLOCK_M,
-                DOT_PRECISION, DOCUMENTS,
+                dk, dv, *args, lo, hi, Tq, Tk, offset, window, doc_base, offs_m, b, h, HEAD_DIM, True,
+                BLOCK_M, DOT_PRECISION, DOCUMENTS, TMA,
             )  # fmt: skip
     _store_tile(_tile(DK + k_off, Tk, start_n, stride_kt, BLOCK_N, HEAD_DIM), dk)
     _store_tile(_tile(DV + v_off, Tk, start_n, stride_vt, BLOCK_N, HEAD_DIM), dv)
@@ -944,16 +1017,18 @@ def polar_forward(q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, wi
     def grid(meta):
         return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
 
+    tma = copy_engine(q.device)
     polar_fwd_kernel[grid](
         q, k, v, c, mag, lse, n_eff, s_norm,
         params.sp_alpha, params.null_base, params.sp_gamma, params.sp_beta, params.v_null, doc_start,
+        *(_descriptor(x) if tma else x for x in (k, v)),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
         mag.stride(0), mag.stride(1), mag.stride(2),
         tq, tk, h, window, 1.0 / math.sqrt(d), *length_buckets(tq, tk),
-        GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype), DOCUMENTS=documents,
+        GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype), DOCUMENTS=documents, TMA=tma,
     )  # fmt: skip
     return c, mag, lse, n_eff, s_norm
 
@@ -1009,6 +1084,21 @@ def _head_gradients(params: HeadParams, da_s, da_null, dmag_row, dvnull_part, tq
     return d_len_gain, d_null_base, d_null_slope, d_mag_beta, d_v_null
 
 
+def copy_engine(device: torch.device) -> bool:
+    """Whether the kernels take the tiles they loop over through Hopper's copy engine (the tensor memory
+    accelerator, by Triton's tensor descriptors): on compute capability 9 and up, never under the interpreter,
+    and not with ATMA_TRITON_COPY_ENGINE=0 (backends.COPY_ENGINE)."""
+    if not COPY_ENGINE or device.type != "cuda" or INTERPRET:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _descriptor(x: torch.Tensor) -> TensorDescriptor:
+    """A (B, T, H, D) tensor's descriptor for the copy engine; its block shape is the config's
+    (_descriptor_blocks)."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 16, 1, x.shape[-1]])
+
+
 def polar_backward(
     g_c, g_mag, q, k, v, len_gain, null_base, null_slope, mag_beta, v_null, c, lse, n_eff, s_norm, window: int,
     doc_start=None,
@@ -1029,10 +1119,13 @@ def polar_backward(
     dv = torch.empty_like(v)
     da_s, da_null = (q.new_empty(b, h, tq, dtype=torch.float32) for _ in range(2))
     scale = 1.0 / math.sqrt(d)
-    common = dict(GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype), DOCUMENTS=documents)
+    tma = copy_engine(q.device)
+    common = dict(GROUP=h // hkv, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype), DOCUMENTS=documents, TMA=tma)
     buckets = length_buckets(tq, tk)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     strides += (v.stride(0), v.stride(1), v.stride(2))
+    # on Hopper the tiles each kernel loops over come through descriptors (else the tensors stand in, unread)
+    k_desc, v_desc, q_desc, a_desc = (_descriptor(x) if tma else x for x in (k, v, q, g_acc))
 
     def dq_grid(meta):
         return (triton.cdiv(tq, meta["BLOCK_M"]), b * h)
@@ -1040,14 +1133,14 @@ def polar_backward(
     # da_null is a separate output (not updated in place): autotuning reruns the kernel
     polar_bwd_dq_kernel[dq_grid](
         q, k, v, g_acc, lse2, dp_const, g_q2, delta_rest, keep, da_null_pre, params.sp_alpha, doc_start,
-        dq, da_s, da_null, *strides, tq, tk, h, window, scale, *buckets, **common,
+        dq, da_s, da_null, k_desc, v_desc, *strides, tq, tk, h, window, scale, *buckets, **common,
     )  # fmt: skip
 
     def dkdv_grid(meta):
         return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
 
     polar_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, g_acc, lse2, ds_scale, dp_const, g_q2, doc_start, doc_end, dk, dv,
+        q, k, v, g_acc, lse2, ds_scale, dp_const, g_q2, doc_start, doc_end, dk, dv, q_desc, a_desc,
         *strides, tq, tk, h, window, *buckets, **common,
     )  # fmt: skip
     head_grads = _head_gradients(
