@@ -96,7 +96,7 @@ def test_every_kernel_has_a_config_that_fits_each_target(compiler):
     cache makes a rerun take seconds); later ones only where a first one does not fit."""
     bench, cases = _bench(), _cases()
     # sm_80 is left to benchmarks/kernels/kernel_resources.py: Triton compiles it through the same Ampere path
-    # as sm_89 (the same shared memory per config: benchmarks/results/kernel_resources-sm80_89_90-2026-12-04.json),
+    # as sm_89 (the same shared memory per config: benchmarks/results/kernel_resources-sm80_89_90-2026-12-07.json),
     # with a larger limit.
     targets = [arch for arch in TARGETS if arch != 80]
     work = [(c, 0, arch) for c, case in enumerate(cases) for arch in targets if case.runs_on(arch)]

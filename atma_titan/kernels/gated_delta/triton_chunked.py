@@ -106,7 +106,7 @@ PARALLEL_CONFIGS = _configs(_BV["parallel"], [4, 8], [2, 3])
 # 8 warps duplicate them, and in this kernel spill (benchmarks/kernels/gated_delta.py --resources).
 PREPARE_WARPS = 4
 # 8 warps, 2 stages first: the choice without autotuning (ATMA_TRITON_AUTOTUNE=0), whose two gradient
-# kernels spill least on sm_80 / 89 / 90 of these four (benchmarks/results/kernel_resources-sm80_89_90-2026-12-04.json).
+# kernels spill least on sm_80 / 89 / 90 of these four (benchmarks/results/kernel_resources-sm80_89_90-2026-12-07.json).
 GRAD_CONFIGS = _configs(_BV["grad"], [8, 4], [2] if INTERPRET else [2, 1])
 
 
