@@ -123,7 +123,6 @@ def polar_cases(shapes: dict, seq_len: int) -> list[Case]:
         attention.polar_backward(c, mag, q, k, v, *params, c, lse, n_eff, s_norm, window=shapes["window"])
     labels = {"polar_fwd_kernel": "polar.fwd", "polar_bwd_preamble_kernel": "polar.bwd_preamble"}
     labels |= {"polar_bwd_dq_kernel": "polar.bwd_dq", "polar_bwd_dkdv_kernel": "polar.bwd_dkdv"}
-    described = {"K_DESC": "K", "V_DESC": "V", "Q_DESC": "Q", "GACC_DESC": "GACC"}
     cases = []
     for launch in launches:
         if "TMA" not in launch.args:  # the preamble: one kernel everywhere
@@ -132,7 +131,9 @@ def polar_cases(shapes: dict, seq_len: int) -> list[Case]:
         before_hopper = tuple(a for a in resources.ARCH_LIMITS if a < 90)
         cases.append(Case(labels[launch.name], _tuned_rows(launch), archs=before_hopper))
         args = {**launch.args, "TMA": True}
-        args |= {name: attention._descriptor(args[of]) for name, of in described.items() if name in args}
+        # each descriptor argument (K_DESC, ...) describes the tensor argument of its name (K, ...)
+        args |= {name: attention._descriptor(args[name.removesuffix("_DESC")])
+                 for name in attention._DESCRIPTOR_ROWS if name in args}  # fmt: skip
         hopper = dataclasses.replace(launch, args=args)
         cases.append(Case(labels[launch.name], _tuned_rows(hopper), "tiles by the copy engine", archs=(90,)))
     return cases

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import statistics
 import sys
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from atma_titan.eval.common import parse_sizes, size_label  # noqa: E402
 from atma_titan.eval.report import markdown_table  # noqa: E402
+from atma_titan.sweep.plan import SweepError, parse_seeds  # noqa: E402
 from atma_titan.sweep.seeds import Spread  # noqa: E402
 
 TOY = "train_configs/repro/polar_memory.toml"
@@ -411,13 +411,15 @@ def main(argv: list[str] | None = None) -> int:
         if questions - known:
             choices = ", ".join(map(str, sorted(known)))
             p.error(f"--questions: no sweep answers question(s) {sorted(questions - known)}; choose from {choices}")
-        if args.seeds is not None and not re.fullmatch(r"\d+(,\d+)*", args.seeds):
-            p.error(f"--seeds {args.seeds!r}: comma-separated seed numbers, e.g. 1 or 0,1")
+        try:  # the sweep's own reading of --seeds
+            seeds = None if args.seeds is None else ",".join(map(str, parse_seeds(args.seeds)))
+        except SweepError as err:
+            p.error(str(err))
         names = set(args.sweeps.split(",")) if args.sweeps else None
-        if names and names - {s.name for s in SWEEPS}:
-            unknown, choices = ", ".join(sorted(names - {s.name for s in SWEEPS})), ", ".join(s.name for s in SWEEPS)
-            p.error(f"--sweeps: no sweep named {unknown}; choose from {choices}")
-        print("\n".join(commands(args.out, questions, args.jobs, args.seeds, names)))
+        unknown = sorted((names or set()) - {s.name for s in SWEEPS})
+        if unknown:
+            p.error(f"--sweeps: no sweep named {', '.join(unknown)}; choose from {', '.join(s.name for s in SWEEPS)}")
+        print("\n".join(commands(args.out, questions, args.jobs, seeds, names)))
         return 0
     previous = [Path(path) for path in args.previous]
     for path in previous:

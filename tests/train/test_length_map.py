@@ -163,7 +163,8 @@ def test_commands_name_bad_questions(questions, message, capsys):
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--seeds", "one"], "--seeds 'one': comma-separated seed numbers"),
+    [(["--seeds", "one"], "--seeds 'one': 'one' is not a non-negative integer"),
+     (["--seeds", "1,1"], "--seeds '1,1': seed 1 is given twice"),
      (["--sweeps", "time-370m,depth-9"], "no sweep named depth-9; choose from length-128, ")],
 )  # fmt: skip
 def test_commands_name_bad_seeds_and_sweeps(argv, message, capsys):
