@@ -123,12 +123,12 @@ def polar_cases(shapes: dict, seq_len: int) -> list[Case]:
         attention.polar_backward(c, mag, q, k, v, *params, c, lse, n_eff, s_norm, window=shapes["window"])
     labels = {"polar_fwd_kernel": "polar.fwd", "polar_bwd_preamble_kernel": "polar.bwd_preamble"}
     labels |= {"polar_bwd_dq_kernel": "polar.bwd_dq", "polar_bwd_dkdv_kernel": "polar.bwd_dkdv"}
+    before_hopper = tuple(a for a in resources.ARCH_LIMITS if a < 90)
     cases = []
     for launch in launches:
         if "TMA" not in launch.args:  # the preamble: one kernel everywhere
             cases.append(Case(labels[launch.name], _tuned_rows(launch)))
             continue
-        before_hopper = tuple(a for a in resources.ARCH_LIMITS if a < 90)
         cases.append(Case(labels[launch.name], _tuned_rows(launch), archs=before_hopper))
         args = {**launch.args, "TMA": True}
         # each descriptor argument (K_DESC, ...) describes the tensor argument of its name (K, ...)
