@@ -175,32 +175,47 @@ def recall(needle: list[dict], train_len: int) -> dict[str, float]:
     return out
 
 
+def planned_cells(out: Path):
+    """(sweep, cell, folder) for every cell of every sweep planned under `out`."""
+    for sweep in SWEEPS:
+        plan = _read_json(out / sweep.name / "sweep.json")
+        for cell in (plan or {}).get("cells", []):
+            yield sweep, cell, out / sweep.name / "cells" / cell["name"]
+
+
+def unfinished(out: Path) -> list[str]:
+    """The cells whose run folder exists without run/DONE (training stopped, or the folder was copied
+    without it): the report leaves them out and says so."""
+    return [
+        f"{sweep.name}/{cell['name']}"
+        for sweep, cell, folder in planned_cells(out)
+        if (folder / "run").is_dir() and not (folder / "run" / "DONE").is_file()
+    ]
+
+
 def load_runs(out: Path) -> list[dict]:
     """Every trained run of every sweep: its sweep, cell, seed, final training loss, and what was evaluated of it
     (recall, NLL curve, recall over training; empty where its evaluation has not run)."""
     runs = []
-    for sweep in SWEEPS:
-        plan = _read_json(out / sweep.name / "sweep.json")
-        for cell in (plan or {}).get("cells", []):
-            folder = out / sweep.name / "cells" / cell["name"]
-            if not (folder / "run" / "DONE").is_file():
-                continue
-            final = _read_json(folder / "eval" / "results.json") or {"needle": []}
-            train_len = sweep.seq_len
-            steps = _read_json(folder / "eval_steps" / "results.json") or final
-            logged = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-            last = [row for row in logged if "loss" in row][-1]
-            runs.append({
-                "sweep": sweep.name, "question": sweep.question, "cell": cell["group"], "seed": cell["seed"],
-                "train_len": train_len, "final_step": last["step"], "final_loss": last["loss"],
-                "recall": recall(final["needle"], train_len) if sweep.final_eval else {},
-                "nll": dict(zip(map(size_label, (final.get("length_curve") or {}).get("lengths", [])),
-                                (final.get("length_curve") or {}).get("nll", []))),
-                "over_training": [
-                    {"step": s["step"], "recall": recall(s["needle"], train_len)}
-                    for s in steps.get("over_training", [])
-                ],
-            })  # fmt: skip
+    for sweep, cell, folder in planned_cells(out):
+        if not (folder / "run" / "DONE").is_file():
+            continue
+        final = _read_json(folder / "eval" / "results.json") or {"needle": []}
+        train_len = sweep.seq_len
+        steps = _read_json(folder / "eval_steps" / "results.json") or final
+        logged = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+        last = [row for row in logged if "loss" in row][-1]
+        runs.append({
+            "sweep": sweep.name, "question": sweep.question, "cell": cell["group"], "seed": cell["seed"],
+            "train_len": train_len, "final_step": last["step"], "final_loss": last["loss"],
+            "recall": recall(final["needle"], train_len) if sweep.final_eval else {},
+            "nll": dict(zip(map(size_label, (final.get("length_curve") or {}).get("lengths", [])),
+                            (final.get("length_curve") or {}).get("nll", []))),
+            "over_training": [
+                {"step": s["step"], "recall": recall(s["needle"], train_len)}
+                for s in steps.get("over_training", [])
+            ],
+        })  # fmt: skip
     return runs
 
 
@@ -425,9 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     for path in previous:
         if not path.is_file():
             p.error(f"--previous {path}: no such file (an earlier report's length_map.json)")
-    runs = with_previous(load_runs(Path(args.out)), previous)
+    here = load_runs(Path(args.out))
+    for name in unfinished(Path(args.out)):
+        print(f"left out {name}: its run has no run/DONE (training stopped, or copied without it)", file=sys.stderr)
+    runs = with_previous(here, previous)
     if not runs:
         p.error(f"--out {args.out}: no evaluated run of any length-map sweep")
+    print(f"{len(here)} run(s) from {args.out}, {len(runs) - len(here)} kept from --previous")
     for path in write_report(runs, Path(args.results)):
         print(f"wrote {path}")
     return 0

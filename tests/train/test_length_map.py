@@ -147,6 +147,24 @@ def test_report_keeps_earlier_runs_that_no_later_sweep_holds(tmp_path):
     assert merged == [again, dict(run, seed=1)]  # seed 0 trained again replaces the earlier one
 
 
+def test_report_says_what_it_read_and_names_runs_without_done(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    exact = {(32, 0.0, "teacher_forced"): 1.0}
+    runs = [_run(tmp_path / "length-128", "attention-polar", seed, 128, exact) for seed in (0, 1)]
+    (tmp_path / "length-128" / "sweep.json").write_text(json.dumps({"cells": runs}))
+    (tmp_path / "length-128" / "cells" / "attention-polar_seed-1" / "run" / "DONE").unlink()  # copied without it
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps([{"sweep": "length-128", "cell": "attention-polar", "seed": 2, "question": 1,
+                                    "train_len": 128, "final_step": 1500, "final_loss": 2.5,
+                                    "recall": {"32x d0": 90.0}, "nll": {}, "over_training": []}]))  # fmt: skip
+    assert length_map.main(["report", "--out", str(tmp_path), "--results", str(tmp_path / "r"),
+                            "--previous", str(earlier)]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "left out length-128/attention-polar_seed-1: its run has no run/DONE" in err
+    assert f"1 run(s) from {tmp_path}, 1 kept from --previous" in out
+    assert "| length-128 | attention-polar | 2 |" in (tmp_path / "r" / "length_map.md").read_text()
+
+
 def test_report_names_a_missing_previous_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         length_map.main(["report", "--out", str(tmp_path), "--results", str(tmp_path / "r"),
