@@ -43,7 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from atma_titan.eval.common import parse_sizes, size_label  # noqa: E402
-from atma_titan.eval.report import markdown_table  # noqa: E402
+from atma_titan.eval.report import RESULTS_JSON, markdown_table  # noqa: E402
+from atma_titan.sweep.cells import CELLS_FOLDER, CellFolder  # noqa: E402
 from atma_titan.sweep.plan import SweepError, parse_seeds  # noqa: E402
 from atma_titan.sweep.seeds import Spread  # noqa: E402
 
@@ -176,11 +177,11 @@ def recall(needle: list[dict], train_len: int) -> dict[str, float]:
 
 
 def planned_cells(out: Path):
-    """(sweep, cell, folder) for every cell of every sweep planned under `out`."""
+    """(sweep, cell, its folder) for every cell of every sweep planned under `out`."""
     for sweep in SWEEPS:
         plan = _read_json(out / sweep.name / "sweep.json")
         for cell in (plan or {}).get("cells", []):
-            yield sweep, cell, out / sweep.name / "cells" / cell["name"]
+            yield sweep, cell, CellFolder(out / sweep.name / CELLS_FOLDER / cell["name"])
 
 
 def unfinished(out: Path) -> list[str]:
@@ -189,7 +190,7 @@ def unfinished(out: Path) -> list[str]:
     return [
         f"{sweep.name}/{cell['name']}"
         for sweep, cell, folder in planned_cells(out)
-        if (folder / "run").is_dir() and not (folder / "run" / "DONE").is_file()
+        if folder.run_dir.is_dir() and not folder.trained()
     ]
 
 
@@ -198,13 +199,12 @@ def load_runs(out: Path) -> list[dict]:
     (recall, NLL curve, recall over training; empty where its evaluation has not run)."""
     runs = []
     for sweep, cell, folder in planned_cells(out):
-        if not (folder / "run" / "DONE").is_file():
+        if not folder.trained():
             continue
-        final = _read_json(folder / "eval" / "results.json") or {"needle": []}
+        final = _read_json(folder.results) or {"needle": []}
         train_len = sweep.seq_len
-        steps = _read_json(folder / "eval_steps" / "results.json") or final
-        logged = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-        last = [row for row in logged if "loss" in row][-1]
+        steps = _read_json(folder.path / "eval_steps" / RESULTS_JSON) or final
+        last = folder.final_train_metrics()
         runs.append({
             "sweep": sweep.name, "question": sweep.question, "cell": cell["group"], "seed": cell["seed"],
             "train_len": train_len, "final_step": last["step"], "final_loss": last["loss"],
