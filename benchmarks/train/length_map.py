@@ -22,9 +22,10 @@ changes one thing; recall is the records needle, exact 5/5, at 1x, 8x and 32x th
 3. training time: recall at 1x and 32x at every tenth of the run for the toy at 128 and at 2,048 (the
    runs of question 1), and at 2,048 with a lower peak learning rate (3e-4), a shorter run (500 steps)
    or Polar's unit direction; and at 1x, 4x and 32x at every fifth of the run for the 370M body
-   (train_configs/repro/atma_370m_polar_memory.toml, 4.5 GB a checkpoint, 2 seeds);
+   (train_configs/repro/atma_370m_polar_memory.toml, 4.5 GB a checkpoint, 2 seeds), its last checkpoint
+   evaluated as the toy cells at 1x, 8x and 32x (2K, 16K, 64K);
 4. the 370M body changed along what 1-3 point to: one global block of its 16 (block 14) instead of four,
-   2 seeds, evaluated as the toy cells at 1x, 8x and 32x (2K, 16K, 64K), and over training as in 3;
+   2 seeds, evaluated as the 370M body of 3, beside which the report sets it;
 5. documents apart: Polar and softmax, with and without data.document_mask, at 128.
 
 `report --previous` adds the runs of earlier reports' length_map.json that --out does not hold again.
@@ -112,8 +113,8 @@ SWEEPS = (
     Sweep("time-2048-lr", 3, ("optimizer.matrix_lr=0.0003",), sets=LOW_LR, seq_len=2048, final_eval=False),
     Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, every=50),
     Sweep("time-2048-unit", 3, ("model.polar_direction=unit",), seq_len=2048, final_eval=False),
-    Sweep("time-370m", 3, ("model.attention=polar",), final_eval=False, seeds="0,1", **BODY_370M_FIFTHS),
-    # the full evaluation of the last checkpoint as well
+    # the 370M bodies: every fifth over training, and the toy cells' full evaluation of the last checkpoint
+    Sweep("time-370m", 3, ("model.attention=polar",), over_training="attention-polar", seeds="0,1", **BODY_370M_FIFTHS),
     Sweep(
         "global-370m",
         4,
@@ -248,7 +249,9 @@ def by_cell(runs) -> dict[tuple[str, str], list[dict]]:
 
 
 def groups(runs: list[dict], question: int) -> dict[tuple[str, str], list[dict]]:
-    return by_cell(r for r in runs if r["question"] == question)
+    """The cells of a question; question 4's table sets the 370M body it changes beside it (question 3's)."""
+    bodies = {s.name for s in SWEEPS if s.base == BODY_370M} if question == 4 else set()
+    return by_cell(r for r in runs if r["question"] == question or r["sweep"] in bodies)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -299,11 +302,10 @@ def loss_table(runs: list[dict]) -> str:
     """Every trained cell's final training loss (recall tokens weighted x100, so a model that has not learned
     to recall sits near 40 and one that has near 2.7), mean over its seeds with the range."""
     rows = []
-    for question in sorted({r["question"] for r in runs}):
-        for (sweep, cell), members in groups(runs, question).items():
-            steps = sorted({r["final_step"] for r in members})
-            rows.append([sweep, cell, str(len(members)), "/".join(map(str, steps)),
-                         spread([r["final_loss"] for r in members], 2)])  # fmt: skip
+    for (sweep, cell), members in by_cell(sorted(runs, key=lambda r: r["question"])).items():
+        steps = sorted({r["final_step"] for r in members})
+        rows.append([sweep, cell, str(len(members)), "/".join(map(str, steps)),
+                     spread([r["final_loss"] for r in members], 2)])  # fmt: skip
     return table(["sweep", "cell", "n", "steps", "final training loss"], rows)
 
 
@@ -319,7 +321,7 @@ def write_report(runs: list[dict], results: Path) -> list[Path]:
         "## 3. Recall over training, depth 0: 32x\n\n" + over_training_table(runs, 32),
         "## 3. Recall over training, depth 0: 4x (the 370M bodies)\n\n" + over_training_table(runs, 4),
         "## 3. Recall over training, depth 0: 1x\n\n" + over_training_table(runs, 1),
-        "## 4. The 370M body with one global block\n\n" + recall_table(runs, 4),
+        "## 4. The 370M body: four global blocks (question 3's) and one\n\n" + recall_table(runs, 4),
         "## 5. Documents apart (at 128)\n\n" + recall_table(runs, 5, nll=True),
     ]
     written = [results / "length_map.md", results / "length_map.json"]

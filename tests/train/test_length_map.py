@@ -60,20 +60,19 @@ def test_commands_are_one_line_per_sweep_with_its_evaluations():
     assert "checkpoint.interval=150" in by_name["length-2048"]
     assert "checkpoint.interval=50" in by_name["time-2048-short"]
     assert "checkpoint.interval=1500" in by_name["length-512"] and "checkpoint.interval=1500" in by_name["width-1024"]
-    body = shlex.split(by_name["time-370m"])
-    assert body[body.index("--base") + 1] == length_map.BODY_370M and "training.seq_len=2048" not in body
-    assert "checkpoint.interval=153" in body and body[body.index("--seeds") + 1] == "0,1"  # every fifth of 763 steps
-    assert "--steps all --gaps 2048,8192,65536" in body[body.index("--eval-args") + 1]
-    # question 4: the 370M body, the toy cells' evaluation, then every checkpoint as time-370m's
-    one_global, its_steps = by_name["global-370m"].split(" && ")
-    one_global = shlex.split(one_global)
-    assert one_global[one_global.index("--base") + 1] == length_map.BODY_370M
-    assert one_global[one_global.index("--factor") + 1] == 'model.global_layers="14"'
-    assert one_global[one_global.index("--seeds") + 1] == "0,1" and "checkpoint.interval=153" in one_global
-    assert "--gaps 2048,16384,65536 --depths 0,0.5" in one_global[one_global.index("--eval-args") + 1]
-    cells = "sweeps/map/global-370m/cells/global_layers-14_seed-"
-    assert f"for cell in {cells}0 {cells}1;" in its_steps
-    assert "--steps all --gaps 2048,8192,65536" in its_steps
+    # questions 3 and 4: each 370M body at its own length, the toy cells' evaluation of its last checkpoint,
+    # then every fifth of its 763 steps at 1x, 4x and 32x
+    for name, factor, cell in (("time-370m", "model.attention=polar", "attention-polar"),
+                               ("global-370m", 'model.global_layers="14"', "global_layers-14")):  # fmt: skip
+        body, its_steps = by_name[name].split(" && ")
+        body = shlex.split(body)
+        assert body[body.index("--base") + 1] == length_map.BODY_370M and "training.seq_len=2048" not in body
+        assert body[body.index("--factor") + 1] == factor
+        assert body[body.index("--seeds") + 1] == "0,1" and "checkpoint.interval=153" in body
+        assert "--gaps 2048,16384,65536 --depths 0,0.5" in body[body.index("--eval-args") + 1]
+        cells = f"sweeps/map/{name}/cells/{cell}_seed-"
+        assert f"for cell in {cells}0 {cells}1;" in its_steps
+        assert "--steps all --gaps 2048,8192,65536" in its_steps
     assert "optimizer.matrix_lr=0.00025" in by_name["width-1024"]  # 1e-3 x 256 / 1,024
     # a seed added to a finished map: that seed's runs alone, trained and evaluated
     (one_more,) = length_map.commands("m", {3, 4}, 1, seeds="1", names={"global-370m"})
@@ -106,7 +105,7 @@ def _run(folder: Path, group: str, seed: int, train_len: int, exact: dict, steps
 def test_report_tables_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     sweeps = {s.name: s for s in length_map.SWEEPS}
-    cells = {name: [] for name in ("length-128", "length-2048", "time-2048-short", "global-370m")}
+    cells = {name: [] for name in ("length-128", "length-2048", "time-2048-short", "time-370m", "global-370m")}
     for seed, value in ((0, 0.9), (1, 0.7)):
         exact = {(32, 0.0, "teacher_forced"): value, (32, 0.0, "generated"): value / 2, (1, 0.0, "teacher_forced"): 1.0}
         cells["length-128"].append(_run(tmp_path / "length-128", "attention-polar", seed, 128, exact))
@@ -116,6 +115,9 @@ def test_report_tables_and_plots(tmp_path):
                                              [(50, 0.0), (500, 0.25)]))  # fmt: skip
         cells["global-370m"].append(_run(tmp_path / "global-370m", "global_layers-14", seed, 2048, exact,
                                          [(153, 0.0), (306, 0.75), (763, value)]))  # fmt: skip
+        four = {key: v / 4 for key, v in exact.items()}
+        cells["time-370m"].append(_run(tmp_path / "time-370m", "attention-polar", seed, 2048, four,
+                                       [(153, 0.0), (763, value / 4)]))  # fmt: skip
     for name, runs in cells.items():
         (tmp_path / name / "sweep.json").write_text(json.dumps({"cells": runs}))
     runs = length_map.load_runs(tmp_path)
@@ -130,10 +132,14 @@ def test_report_tables_and_plots(tmp_path):
     assert "| time-2048-short | steps-500 | 2 | 0.0 (0.0-0.0) |" in over and "25.0 (25.0-25.0) |" in over
     # question 4's runs read over training too: 306 of 763 steps is the fourth tenth
     assert "| global-370m | global_layers-14 | 2 | - | 0.0 (0.0-0.0) | - | 75.0 (75.0-75.0) |" in over
-    one_global = md[md.index("## 4.") :].split("\n\n")[1]
-    assert "| global-370m | global_layers-14 | 2 | 100.0 (100.0-100.0) |" in one_global
+    # question 4's table sets the four-global body of question 3 beside the one-global body
+    bodies = md[md.index("## 4.") :].split("\n\n")[1].splitlines()[2:]
+    assert bodies[0].startswith("| time-370m | attention-polar | 2 | 25.0 (25.0-25.0) |")
+    assert bodies[1].startswith("| global-370m | global_layers-14 | 2 | 100.0 (100.0-100.0) |") and len(bodies) == 2
+    assert "| time-370m |" not in md[md.index("## 1.") : md.index("## 3.")]  # and in no other question's
     assert "4x (the 370M bodies)\n\nNo run of this question" in md  # no row of dashes for cells not measured at 4x
     assert "| length-128 | attention-polar | 2 | 1500 | 3.00 (2.50-3.50) |" in md  # the final losses
+    assert md.count("| time-370m | attention-polar | 2 | 1500 |") == 1  # a cell of two questions' tables once
     assert [p.name for p in written[2:]] == ["recall_vs_train_length.png", "recall_over_training.png"]
     assert all(p.stat().st_size > 0 for p in written)
 
