@@ -100,9 +100,9 @@ class Sweep:
 
 WIDE = ("model.d_model=1024", "model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=128", "model.mlp_hidden=4096")
 LOW_LR = ("optimizer.embed_lr=0.0003", "optimizer.head_lr=0.0003", "optimizer.scalar_lr=0.0003")
-# The 370M body at its own length and batch, read over training at 1x, 4x and 32x at every fifth of its 763
-# steps (153; ten checkpoints would be 45 GB a run).
-BODY_370M_FIFTHS = dict(seq_len=2048, every=153, base=BODY_370M, steps_multiples=(1, 4, 32))
+# The 370M body at its own length and batch, two seeds, read over training at 1x, 4x and 32x at every fifth of
+# its 763 steps (153; ten checkpoints would be 45 GB a run).
+BODY_370M_FIFTHS = dict(seq_len=2048, every=153, base=BODY_370M, steps_multiples=(1, 4, 32), seeds="0,1")
 SWEEPS = (
     Sweep("length-128", 1, ("model.attention=polar,softmax",), over_training="attention-polar"),
     Sweep("length-512", 1, ("model.attention=polar,softmax",), seq_len=512),
@@ -114,15 +114,8 @@ SWEEPS = (
     Sweep("time-2048-short", 3, ("training.steps=500",), seq_len=2048, final_eval=False, every=50),
     Sweep("time-2048-unit", 3, ("model.polar_direction=unit",), seq_len=2048, final_eval=False),
     # the 370M bodies: every fifth over training, and the toy cells' full evaluation of the last checkpoint
-    Sweep("time-370m", 3, ("model.attention=polar",), over_training="attention-polar", seeds="0,1", **BODY_370M_FIFTHS),
-    Sweep(
-        "global-370m",
-        4,
-        ('model.global_layers="14"',),
-        over_training="global_layers-14",
-        seeds="0,1",
-        **BODY_370M_FIFTHS,
-    ),
+    Sweep("time-370m", 3, ("model.attention=polar",), over_training="attention-polar", **BODY_370M_FIFTHS),
+    Sweep("global-370m", 4, ('model.global_layers="14"',), over_training="global_layers-14", **BODY_370M_FIFTHS),
     Sweep("documents-128", 5, ("model.attention=polar,softmax", "data.document_mask=false,true")),
 )
 
